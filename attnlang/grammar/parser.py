@@ -1,0 +1,241 @@
+"""Pass 1, parse: .attn text -> syntax tree (`attnlang.grammar.ast`) with source spans.
+
+Lark's exceptions never escape: a syntax error becomes an `AttnSyntaxError` saying what was
+expected and what was found, at the offending token.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import lark
+from lark import Token, Transformer, v_args
+from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+
+from attnlang.errors import AttnSyntaxError, Span
+from attnlang.grammar import ast
+from attnlang.paths import grammar_file
+
+__all__ = ["parse_ast"]
+
+# How each terminal reads in "expected ..." messages.
+_TERMINAL_WORDS = {
+    "NAME": "a name",
+    "NUMBER": "a number",
+    "MINUS": "'-'",
+    "PLUS": "'+'",
+    "MULOP": "'*', '/' or '%'",
+    "POW": "'**'",
+    "CMP": "a comparison",
+    "OR": "'or'",
+    "AND": "'and'",
+    "NOT": "'not'",
+    "TRUE": "'true'",
+    "FALSE": "'false'",
+    "WHERE": "'where'",
+    "SOFTMAX": "'softmax'",
+    "ON": "'on'",
+    "OFF": "'off'",
+    "$END": "end of file",
+}
+
+
+@functools.lru_cache(maxsize=1)
+def _lark() -> lark.Lark:
+    return lark.Lark(
+        grammar_file().read_text(),
+        parser="lalr",
+        propagate_positions=True,
+        maybe_placeholders=False,
+    )
+
+
+def parse_ast(text: str, filename: str = "<string>") -> ast.Module:
+    """Parse .attn source text into an `ast.Module`.
+
+    >>> parse_ast("variant causal\\nmask = causal").name
+    'causal'
+
+    Raises AttnSyntaxError (with span and hint) on malformed input.
+    """
+    try:
+        tree = _lark().parse(text)
+    except UnexpectedInput as e:
+        raise _syntax_error(e, text, filename) from None
+    return _ToAst(filename).transform(tree)
+
+
+def _describe_expected(expected: set[str]) -> str:
+    parser = _lark()
+    words = []
+    for name in sorted(expected):
+        if name in _TERMINAL_WORDS:
+            words.append(_TERMINAL_WORDS[name])
+            continue
+        try:
+            pattern = parser.get_terminal(name).pattern
+            words.append(f"'{pattern.value}'" if pattern.type == "str" else name.lower())
+        except KeyError:
+            words.append(name.lower())
+    words = sorted(set(words))
+    if "NUMBER" in expected:
+        return "an expression"
+    if len(words) > 6:
+        return "an operator or the next declaration"
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " or " + words[-1]
+
+
+def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> AttnSyntaxError:
+    line, col = getattr(e, "line", 1) or 1, getattr(e, "column", 1) or 1
+    width = 1
+    if isinstance(e, UnexpectedToken) and e.token.type != "$END":
+        found = f"'{e.token.value}'"
+        width = max(1, len(str(e.token.value)))
+        message = f"expected {_describe_expected(e.expected)}, found {found}"
+        hint = _hint_for(e)
+    elif isinstance(e, (UnexpectedEOF, UnexpectedToken)):
+        lines = text.splitlines() or [""]
+        line, col = len(lines), len(lines[-1]) + 1
+        expected = getattr(e, "expected", None) or set()
+        message = "unexpected end of file" + (
+            f": expected {_describe_expected(set(expected))}" if expected else ""
+        )
+        hint = None
+    elif isinstance(e, UnexpectedCharacters):
+        ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
+        message = f"unexpected character '{ch}'"
+        hint = "comments start with '#'" if ch in "/;" else None
+    else:  # pragma: no cover - lark has no other UnexpectedInput kinds today
+        message, hint = str(e).splitlines()[0], None
+    span = Span(filename, line, col, line, col + width)
+    return AttnSyntaxError(message, span, hint, text)
+
+
+def _hint_for(e: UnexpectedToken) -> str | None:
+    if e.token.type == "NAME" and e.token.value in ("float", "int", "bool"):
+        return None
+    if e.token.type == "$END":
+        return None
+    if "NAME" in e.expected and e.token.type in ("SOFTMAX", "WHERE", "ON", "OFF", "TRUE",
+                                                  "FALSE", "OR", "AND", "NOT"):
+        return f"'{e.token.value}' is a keyword and cannot be used as a name"
+    if e.token.value == "=" and "CMP" in e.expected:
+        return "use '==' to compare"
+    return None
+
+
+def _tok_span(filename: str, tok: Token) -> Span:
+    return Span(filename, tok.line, tok.column, tok.end_line, tok.end_column)
+
+
+class _ToAst(Transformer):
+    """Lark tree -> ast nodes; every node gets the span of its text."""
+
+    def __init__(self, filename: str):
+        super().__init__(visit_tokens=False)
+        self.filename = filename
+
+    def _span(self, meta) -> Span:
+        return Span(self.filename, meta.line, meta.column, meta.end_line, meta.end_column)
+
+    def _tspan(self, tok: Token) -> Span:
+        return _tok_span(self.filename, tok)
+
+    @v_args(meta=True)
+    def start(self, meta, children):
+        (name_tok,), items = children[0], children[1:]
+        return ast.Module(str(name_tok), tuple(items), self._span(meta), self._tspan(name_tok))
+
+    def header(self, children):
+        return children
+
+    @v_args(meta=True)
+    def param_decl(self, meta, children):
+        name, type_name, rest = children[0], children[1], children[2:]
+        extent = extent_span = default = None
+        for r in rest:
+            if isinstance(r, tuple) and r[0] == "extent":
+                extent, extent_span = str(r[1]), self._tspan(r[1])
+            elif isinstance(r, ast.Number):
+                default = r
+        return ast.ParamDecl(str(name), str(type_name), extent, default, self._span(meta),
+                             self._tspan(name), self._tspan(type_name), extent_span)
+
+    def extent(self, children):
+        return ("extent", children[0])
+
+    def default(self, children):
+        return children[0]
+
+    @v_args(meta=True)
+    def signed_number(self, meta, children):
+        num = self._number(children[-1])
+        if len(children) == 2:  # leading minus
+            num = ast.Number(-num.value, num.is_int, self._span(meta))
+        return num
+
+    @v_args(meta=True)
+    def const_decl(self, meta, children):
+        name, type_name, expr = children
+        return ast.ConstDecl(str(name), str(type_name), expr, self._span(meta),
+                             self._tspan(name), self._tspan(type_name))
+
+    @v_args(meta=True)
+    def softmax_decl(self, meta, children):
+        tok, onoff = children
+        flag = ast.Boolean(str(onoff) == "on", self._tspan(onoff))
+        return ast.StageDecl("softmax", flag, self._span(meta), self._tspan(tok))
+
+    @v_args(meta=True)
+    def stage_decl(self, meta, children):
+        name, expr = children
+        return ast.StageDecl(str(name), expr, self._span(meta), self._tspan(name))
+
+    # ---- expressions ----
+
+    def _number(self, tok: Token) -> ast.Number:
+        text = str(tok)
+        if any(c in text for c in ".eE"):
+            return ast.Number(float(text), False, self._tspan(tok))
+        return ast.Number(int(text), True, self._tspan(tok))
+
+    def number(self, children):
+        return self._number(children[0])
+
+    def boolean(self, children):
+        tok = children[0]
+        return ast.Boolean(str(tok) == "true", self._tspan(tok))
+
+    def name(self, children):
+        tok = children[0]
+        return ast.Name(str(tok), self._tspan(tok))
+
+    @v_args(meta=True)
+    def index(self, meta, children):
+        name, idx = children
+        return ast.Index(str(name), str(idx), self._span(meta), self._tspan(idx))
+
+    def callee(self, children):
+        return children[0]
+
+    @v_args(meta=True)
+    def call(self, meta, children):
+        func, rest = children[0], children[1:]
+        args = tuple(a for a in rest if not isinstance(a, ast.Keyword))
+        kwargs = tuple(a for a in rest if isinstance(a, ast.Keyword))
+        return ast.Call(str(func), args, kwargs, self._span(meta), self._tspan(func))
+
+    @v_args(meta=True)
+    def kwarg(self, meta, children):
+        name, value = children
+        return ast.Keyword(str(name), value, self._span(meta))
+
+    @v_args(meta=True)
+    def binop(self, meta, children):
+        a, op, b = children
+        return ast.BinOp(str(op), a, b, self._span(meta), self._tspan(op))
+
+    @v_args(meta=True)
+    def unop(self, meta, children):
+        op, x = children
+        return ast.UnaryOp(str(op), x, self._span(meta))

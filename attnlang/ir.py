@@ -1,0 +1,288 @@
+"""Typed IR of an attention variant: the output of the checker, the input of every backend.
+
+The checker (`attnlang.codegen.check`) resolves names, scopes them to stages, checks types,
+inserts int->float promotions explicitly (`Cast`) and folds consts, so that the backends
+(the NumPy reference and the CUDA lowering) only ever *evaluate* this tree: they never
+re-derive a type or a scope rule.
+
+Every node is a frozen dataclass. Source spans are kept for messages but excluded from
+equality and hashing, so the same variant written at other lines is the same variant.
+
+Example: ``logits = cap * tanh(logits / cap)`` with ``param cap: float = 50.0`` becomes::
+
+    Binary("*", Param("cap", FLOAT), Call("tanh", (Binary("/", Var("logits", FLOAT),
+           Param("cap", FLOAT), FLOAT),), FLOAT), FLOAT)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from attnlang.errors import Span
+
+__all__ = [
+    "Type", "BOOL", "INT", "FLOAT", "Expr", "Const", "Var", "Param", "ParamIndex", "Cast",
+    "Unary", "Binary", "Call", "Reduce", "Rope", "ParamSpec", "Variant",
+    "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX",
+    "SCALAR_FUNCS", "REDUCTIONS", "walk", "varies_with_dim",
+]
+
+
+class Type(enum.Enum):
+    BOOL = "bool"
+    INT = "int"
+    FLOAT = "float"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+BOOL, INT, FLOAT = Type.BOOL, Type.INT, Type.FLOAT
+
+# The stages of LANGUAGE.md section 3, in evaluation order. `softmax` is a flag, not an expr.
+STAGES = ("query", "key", "value", "logits", "mask", "output")
+# Stages that describe one element of a head vector (they see `dim` and the reductions).
+VECTOR_STAGES = ("query", "key", "value", "output")
+# The element name each vector stage reads.
+STAGE_INPUT = {"query": "q", "key": "k", "value": "v", "output": "o"}
+
+# Built-in names with their type and the stages that may read them (LANGUAGE.md section 4).
+_ALL = frozenset(STAGES)
+INDEX_VARS: dict[str, tuple[Type, frozenset[str]]] = {
+    "batch": (INT, _ALL),
+    "head": (INT, frozenset({"query", "logits", "mask", "output"})),
+    "kv_head": (INT, _ALL),
+    "qo_len": (INT, _ALL),
+    "kv_len": (INT, _ALL),
+    "q_pos": (INT, frozenset({"query", "logits", "mask", "output"})),
+    "kv_pos": (INT, frozenset({"key", "value", "logits", "mask"})),
+    "causal": (BOOL, frozenset({"logits", "mask"})),
+    "logits": (FLOAT, frozenset({"logits"})),
+    "q": (FLOAT, frozenset({"query"})),
+    "k": (FLOAT, frozenset({"key"})),
+    "v": (FLOAT, frozenset({"value"})),
+    "o": (FLOAT, frozenset({"output"})),
+    "dim": (INT, frozenset(VECTOR_STAGES)),
+    # Kernel-wide scalars, visible everywhere.
+    "sm_scale": (FLOAT, _ALL),
+    "head_dim": (INT, _ALL),
+    "num_heads": (INT, _ALL),
+    "num_kv_heads": (INT, _ALL),
+}
+STAGE_VARS = INDEX_VARS  # alias used by the checker's hints
+
+# Tensor-param extents and the one index variable each may be indexed by.
+EXTENT_INDEX = {"heads": "head", "kv_heads": "kv_head", "batch": "batch", "dim": "dim"}
+
+# Scalar functions: name -> number of arguments. `where` is typed specially by the checker.
+SCALAR_FUNCS = {
+    "exp": 1, "exp2": 1, "log": 1, "log2": 1, "sqrt": 1, "rsqrt": 1, "tanh": 1,
+    "sigmoid": 1, "abs": 1, "floor": 1, "ceil": 1, "softplus": 1,
+    "min": 2, "max": 2, "pow": 2, "clamp": 3, "where": 3,
+}
+# Reductions over `dim` (one argument). `min`/`max` with two arguments are the scalar forms.
+REDUCTIONS = ("sum", "mean", "max", "min")
+
+
+def _span() -> Span | None:
+    return field(default=None, compare=False, hash=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Expr:
+    """Base of all typed expressions. `type` is the value's type after the checker."""
+
+
+@dataclass(frozen=True)
+class Const(Expr):
+    """A literal or a folded `const`. value is bool, int or float matching `type`."""
+
+    value: bool | int | float
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Var(Expr):
+    """A built-in name of INDEX_VARS (`causal` never appears: the checker expands it)."""
+
+    name: str
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Param(Expr):
+    """A scalar run-time param, read from the kernel's params struct."""
+
+    name: str
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class ParamIndex(Expr):
+    """Element of a 1-D tensor param, `name[index]`; index is the Var of its extent."""
+
+    name: str
+    index: str  # one of EXTENT_INDEX's values: head, kv_head, batch, dim
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Cast(Expr):
+    """Explicit int -> float promotion inserted by the checker."""
+
+    x: Expr
+    type: Type = FLOAT
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Unary(Expr):
+    """op: "-" (int or float) or "not" (bool)."""
+
+    op: str
+    x: Expr
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Binary(Expr):
+    """Arithmetic `+ - * / % **`, comparisons `< <= > >= == !=`, logic `and or`.
+
+    Operands already have matching types (the checker inserted Casts). `/` and `%` on two
+    ints truncate toward zero (C semantics); `**` is always float.
+    """
+
+    op: str
+    a: Expr
+    b: Expr
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Call(Expr):
+    """A scalar function of SCALAR_FUNCS. Float functions get float args (Cast inserted);
+    `min max abs clamp` keep ints when every argument is int; `where(c, a, b)`."""
+
+    fn: str
+    args: tuple[Expr, ...]
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Reduce(Expr):
+    """sum/mean/max/min of a float expression over `dim` (vector stages only). A scalar."""
+
+    op: str
+    x: Expr
+    type: Type = FLOAT
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Rope(Expr):
+    """Rotary embedding of vector expression x at integer position pos (vector stages only).
+
+    interleaved=False: rotate-half, pairs (i, i + head_dim/2), frequency
+    theta^(-2 (i mod head_dim/2) / head_dim). interleaved=True: GPT-J, pairs (2i, 2i+1),
+    frequency theta^(-2i / head_dim) for both elements of pair i.
+    """
+
+    x: Expr
+    pos: Expr  # INT, does not vary with dim
+    theta: Expr  # FLOAT, does not vary with dim
+    interleaved: bool
+    type: Type = FLOAT
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """A declared run-time param. extent is None for scalars, else one of EXTENT_INDEX."""
+
+    name: str
+    type: Type  # INT or FLOAT
+    extent: str | None = None
+    default: int | float | None = None
+    span: Span | None = _span()
+
+    @property
+    def is_tensor(self) -> bool:
+        return self.extent is not None
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A checked variant. Omitted stages are None (identity; mask None = no mask).
+
+    params keep declaration order; consts hold the folded values (already substituted into
+    the stages, kept for introspection).
+    """
+
+    name: str
+    params: tuple[ParamSpec, ...] = ()
+    consts: tuple[tuple[str, bool | int | float], ...] = ()
+    query: Expr | None = None
+    key: Expr | None = None
+    value: Expr | None = None
+    logits: Expr | None = None
+    mask: Expr | None = None
+    output: Expr | None = None
+    softmax: bool = True
+    source: str = field(default="", compare=False, hash=False, repr=False)
+    filename: str = field(default="<string>", compare=False, hash=False, repr=False)
+
+    def stage(self, name: str) -> Expr | None:
+        return getattr(self, name)
+
+    def param(self, name: str) -> ParamSpec:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+
+def walk(e: Expr):
+    """Yield e and every sub-expression, parents first."""
+    yield e
+    if isinstance(e, (Cast, Unary, Reduce)):
+        yield from walk(e.x)
+    elif isinstance(e, Binary):
+        yield from walk(e.a)
+        yield from walk(e.b)
+    elif isinstance(e, Call):
+        for a in e.args:
+            yield from walk(a)
+    elif isinstance(e, Rope):
+        yield from walk(e.x)
+        yield from walk(e.pos)
+        yield from walk(e.theta)
+
+
+def varies_with_dim(e: Expr) -> bool:
+    """True if e's value differs between elements of a head vector (it is 'vector-valued').
+
+    Reductions are scalars even though their argument varies; a Rope varies.
+    """
+    if isinstance(e, Var):
+        return e.name in ("q", "k", "v", "o", "dim")
+    if isinstance(e, ParamIndex):
+        return e.index == "dim"
+    if isinstance(e, Reduce):
+        return False
+    if isinstance(e, Rope):
+        return True
+    if isinstance(e, (Cast, Unary)):
+        return varies_with_dim(e.x)
+    if isinstance(e, Binary):
+        return varies_with_dim(e.a) or varies_with_dim(e.b)
+    if isinstance(e, Call):
+        return any(varies_with_dim(a) for a in e.args)
+    return False

@@ -1,0 +1,46 @@
+"""The passes of attnlang, in order. Each is one module with one pure entry function:
+
+    parse   attnlang.grammar.parser.parse_ast   text        -> ast.Module
+    check   attnlang.codegen.check.check        ast.Module  -> ir.Variant
+    lower   attnlang.codegen.lower.lower        ir.Variant  -> Hooks (C++ text)
+    render  attnlang.codegen.render.render      Hooks       -> .cu source per kernel kind
+    compile attnlang.runtime.compiler.compile_source  .cu   -> Cubin (disk-cached)
+
+`attnlang.reference` evaluates the same ir.Variant in NumPy; the runtime
+(`attnlang.runtime`) loads cubins and launches them over a plan.
+"""
+
+from __future__ import annotations
+
+import os
+
+from attnlang import ir
+from attnlang.codegen.check import check
+from attnlang.grammar.parser import parse_ast
+
+__all__ = ["parse", "load", "generate_source"]
+
+
+def parse(text: str, filename: str = "<string>") -> ir.Variant:
+    """Parse and check variant source text. Raises AttnError (AttnErrors for several).
+
+    >>> parse("variant causal\\nmask = causal").name
+    'causal'
+    """
+    return check(parse_ast(text, filename), text, filename)
+
+
+def load(path: str | os.PathLike) -> ir.Variant:
+    """Read, parse and check an .attn file."""
+    path = os.fspath(path)
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    return parse(text, filename=path)
+
+
+def generate_source(variant: ir.Variant, kind: str, dtype: str, head_dim: int) -> str:
+    """lower + render: the full CUDA source of one kernel kind for this variant."""
+    from attnlang.codegen.lower import lower
+    from attnlang.codegen.render import render
+
+    return render(lower(variant), kind, dtype, head_dim)
