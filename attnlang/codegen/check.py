@@ -30,8 +30,10 @@ __all__ = ["check", "fold"]
 _TYPES = {"float": FLOAT, "int": INT, "bool": BOOL}
 _ROPE_FUNCS = ("rope", "rope_interleaved")
 _ALL_FUNCS = tuple(ir.SCALAR_FUNCS) + ir.REDUCTIONS + _ROPE_FUNCS
+_KEYWORDS = {"variant", "param", "const", "softmax", "on", "off", "and", "or", "not", "true",
+             "false", "where"}
 # Names a declaration may not take.
-_RESERVED = set(ir.INDEX_VARS) | set(_ALL_FUNCS) | {"float", "int", "bool"}
+_RESERVED = set(ir.INDEX_VARS) | set(_ALL_FUNCS) | {"float", "int", "bool"} | _KEYWORDS
 # Float-only scalar functions (min/max/abs/clamp keep ints; where is typed apart).
 _INT_KEEPING = ("min", "max", "abs", "clamp")
 
@@ -125,6 +127,8 @@ class _Checker:
     def declare_name(self, name: str, span: Span) -> bool:
         if name in _RESERVED:
             what = "a built-in name" if name in ir.INDEX_VARS else "a built-in function"
+            if name in _KEYWORDS:
+                what = "a keyword"
             if name in _TYPES:
                 what = "a type name"
             self.error(AttnNameError, f"'{name}' is {what} and cannot be redeclared", span,
