@@ -10,3 +10,66 @@ def _session_kernel_cache(tmp_path_factory):
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ATTNLANG_CACHE_DIR", str(tmp_path_factory.mktemp("attnlang-cache")))
         yield
+
+
+# ---------------------------------------------------------------------------- GPU tests
+# Tests marked `gpu` run only where CuPy sees a CUDA device; elsewhere they are skipped
+# (never errors), so CI without a GPU stays green.
+
+
+def _gpu_available() -> tuple[bool, str]:
+    try:
+        import cupy
+
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, no driver, no device
+        return False, f"no CUDA GPU ({type(e).__name__}: {e})"
+    return (count > 0, "no CUDA GPU (CuPy sees 0 devices)")
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    available, why = _gpu_available()
+    if not available:
+        skip = pytest.mark.skip(reason=why)
+        for item in gpu_items:
+            item.add_marker(skip)
+
+
+# Largest relative L2 error seen by the GPU correctness tests, per dtype (and where), so a
+# run reports them: printed in the terminal summary and, if $ATTNLANG_ERROR_LOG names a file,
+# written there as JSON.
+ERRORS: dict[str, dict] = {}
+
+
+@pytest.fixture
+def error_log():
+    """record(dtype, error, where): keep the largest error per dtype."""
+
+    def record(dtype: str, error: float, where: str) -> None:
+        best = ERRORS.get(dtype)
+        if best is None or error > best["max_rel_l2"]:
+            ERRORS[dtype] = {"max_rel_l2": float(error), "where": where,
+                             "count": (best or {}).get("count", 0) + 1}
+        else:
+            best["count"] += 1
+
+    return record
+
+
+def pytest_terminal_summary(terminalreporter):
+    if not ERRORS:
+        return
+    import json
+    import os
+
+    terminalreporter.section("attnlang GPU numerics (max relative L2 error vs float64)")
+    for dtype, e in sorted(ERRORS.items()):
+        terminalreporter.write_line(
+            f"{dtype:>9}: {e['max_rel_l2']:.3e} over {e['count']} checks (worst: {e['where']})")
+    path = os.environ.get("ATTNLANG_ERROR_LOG")
+    if path:
+        with open(path, "w") as f:
+            json.dump(ERRORS, f, indent=2, sort_keys=True)

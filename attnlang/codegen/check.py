@@ -369,11 +369,11 @@ class _Checker:
             if a.type is not b.type:
                 a, b = self.to_float(a, spans[1]), self.to_float(b, spans[2])
             return fold(ir.Call("where", (args[0], a, b), a.type, n.span))
-        for a, s in zip(args, spans):
+        for a, s in zip(args, spans, strict=True):
             self.need_number(a, s, f"{f}()")
         if f in _INT_KEEPING and all(a.type is INT for a in args):
             return fold(ir.Call(f, tuple(args), INT, n.span))
-        args = [self.to_float(a, s) for a, s in zip(args, spans)]
+        args = [self.to_float(a, s) for a, s in zip(args, spans, strict=True)]
         return fold(ir.Call(f, tuple(args), FLOAT, n.span))
 
     def vector_stage_only(self, n: ast.Call, stage):

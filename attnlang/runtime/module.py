@@ -1,0 +1,359 @@
+"""Compiled kernels of one variant: compile, save, load from disk, load onto a GPU.
+
+A `KernelModule` holds the cubins of one variant at one (dtype, head_dim, arch), one per
+kernel kind ("decode", "merge"; each a compiler `Cubin` with its ptxas report), with what the
+runtime needs to call them: the variant's
+name, its run-time params (ParamSpec, declaration order = kernel argument order) and its
+softmax flag. It is produced by `compile_variant` (render + NVRTC; no GPU needed) or by
+`load_compiled` (a directory written by `KernelModule.save`; needs neither NVRTC nor the
+.attn source). `KernelModule.function` loads a cubin onto a device on first use.
+
+Directory format (``manifest.json`` + one ``<kind>.cubin`` per kind)::
+
+    {"format": 1, "attnlang_version": "0.1.0", "nvrtc_version": "12.9",
+     "variant": {"name": "softcap", "softmax": true,
+                 "params": [{"name": "cap", "type": "float", "extent": null, "default": 30.0}]},
+     "dtype": "bfloat16", "head_dim": 128, "arch": "sm_90a", "kinds": ["decode", "merge"],
+     "cubins": {"decode": {"file": "decode.cubin", "entry": "decode", "sha256": "...",
+                           "bytes": 123456, "functions": [{"name": "decode", "registers":
+                           96, ...}], "compile_seconds": 1.2}, ...}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import threading
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from attnlang import ir
+from attnlang.runtime.arrays import normalize_dtype
+from attnlang.runtime.compiler import Cubin, FunctionInfo
+
+__all__ = [
+    "KINDS", "KERNEL_KINDS", "HEAD_DIMS", "MANIFEST_FORMAT", "KernelModule", "ModuleLoadError",
+    "compile_variant", "load_compiled", "arch_runs_on", "device_arch",
+]
+
+KINDS = ("decode", "merge")
+KERNEL_KINDS = KINDS  # the name the CLI uses
+HEAD_DIMS = (64, 128, 256)
+MANIFEST_FORMAT = 1
+_SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
+# Dynamic shared memory above this needs an explicit opt-in per function.
+_DEFAULT_DYNAMIC_SMEM = 48 * 1024
+
+
+class ModuleLoadError(ValueError):
+    """A compiled-module directory that cannot be used (missing, corrupt, incompatible)."""
+
+
+@dataclass(frozen=True, eq=False)
+class KernelModule:
+    """The compiled kernels of one variant at one (dtype, head_dim, arch).
+
+    Attributes: name (the variant's), params (its ParamSpecs, declaration order), softmax,
+    dtype ("float16" | "bfloat16"), head_dim, arch ("sm_90a"), cubins (kind -> compiler
+    `Cubin`: data, functions (ptxas report), compile_seconds, cache ("memory" | "disk" |
+    "miss", or "loaded" for a module read by load_compiled), path), entries (kind -> extern
+    "C" entry name), variant (the ir.Variant, None for a loaded module).
+
+    Example::
+
+        km = compile_variant(al.load("examples/softcap.attn"), head_dim=128,
+                             dtype="bfloat16", arch="sm_90a")     # no GPU needed
+        km.save("out/softcap")
+        km = load_compiled("out/softcap")                         # no NVRTC needed
+        fn = km.function("decode")                                # loads onto the GPU
+    """
+
+    name: str
+    params: tuple[ir.ParamSpec, ...]
+    softmax: bool
+    dtype: str
+    head_dim: int
+    arch: str
+    cubins: Mapping[str, Cubin] = field(repr=False)
+    entries: Mapping[str, str]
+    variant: ir.Variant | None = field(default=None, repr=False)
+    nvrtc_version: str = "unknown"
+    # device ordinal -> kind -> (cupy.cuda.Module, Function, dynamic smem opted into)
+    _loaded: dict = field(default_factory=dict, init=False, repr=False)
+    _lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(self.cubins)
+
+    def label(self, kind: str) -> str:
+        """Human name of one kernel, e.g. "softcap/decode bf16 d128 sm_90a"."""
+        return f"{self.name}/{kind} {_SHORT_DTYPE[self.dtype]} d{self.head_dim} {self.arch}"
+
+    def save(self, directory: str | os.PathLike) -> Path:
+        """Write one ``<kind>.cubin`` per kind plus ``manifest.json`` into `directory`
+        (created if needed; files replaced atomically). Returns the directory."""
+        out = Path(directory)
+        out.mkdir(parents=True, exist_ok=True)
+        cubins = {}
+        for kind, cubin in self.cubins.items():
+            _atomic_write(out / f"{kind}.cubin", cubin.data)
+            cubins[kind] = {
+                "file": f"{kind}.cubin", "entry": self.entries[kind],
+                "sha256": hashlib.sha256(cubin.data).hexdigest(), "bytes": len(cubin.data),
+                "functions": [asdict(f) for f in cubin.functions],
+                "compile_seconds": cubin.compile_seconds,
+            }
+        manifest = {
+            "format": MANIFEST_FORMAT,
+            "attnlang_version": _attnlang_version(),
+            "nvrtc_version": self.nvrtc_version,
+            "variant": {
+                "name": self.name,
+                "softmax": self.softmax,
+                "params": [_param_to_json(p) for p in self.params],
+            },
+            "dtype": self.dtype,
+            "head_dim": self.head_dim,
+            "arch": self.arch,
+            "kinds": list(self.cubins),
+            "cubins": cubins,
+        }
+        _atomic_write(out / "manifest.json",
+                      (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode())
+        return out
+
+    def function(self, kind: str, device: int | None = None, *, dynamic_smem: int = 0):
+        """The `kind` kernel loaded on `device` (default: CuPy's current device), as a
+        cupy.cuda.Function. Loads the cubin once per device; opts the function into
+        `dynamic_smem` bytes of dynamic shared memory when that exceeds 48 KB.
+
+        Raises ValueError when the cubin's arch cannot run on the device.
+        """
+        import cupy
+        from cupy_backends.cuda.api import driver
+
+        if kind not in self.cubins:
+            raise KeyError(f"{self.name} has no {kind!r} kernel; it has {', '.join(self.kinds)}")
+        dev = cupy.cuda.Device(device).id if device is None else int(device)
+        with self._lock:
+            per_device = self._loaded.setdefault(dev, {})
+            if kind not in per_device:
+                cc = device_arch(dev)
+                if not arch_runs_on(self.arch, cc):
+                    raise ValueError(
+                        f"{self.label(kind)} was compiled for {self.arch}, which cannot run on "
+                        f"device {dev} (compute capability {cc[3:]}); compile it with "
+                        f"arch='{'sm_90a' if cc == 'sm_90' else cc}'"
+                    )
+                with cupy.cuda.Device(dev):
+                    cupy.cuda.runtime.free(0)  # make the device's context current for the driver
+                    module = cupy.cuda.Module()
+                    module.load(bytes(self.cubins[kind].data))
+                    fn = module.get_function(self.entries[kind])
+                per_device[kind] = [module, fn, _DEFAULT_DYNAMIC_SMEM]
+            entry = per_device[kind]
+            if dynamic_smem > entry[2]:
+                with cupy.cuda.Device(dev):
+                    driver.funcSetAttribute(
+                        entry[1].ptr, driver.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                        int(dynamic_smem))
+                entry[2] = int(dynamic_smem)
+            return entry[1]
+
+
+# In-process cache of compiled modules, so BatchAttentions of one variant share the loaded
+# CUDA modules (the compiler caches the cubins themselves, in memory and on disk).
+_MODULES: dict[tuple, KernelModule] = {}
+_MODULES_LOCK = threading.Lock()
+
+
+def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat16",
+                    arch: str | None = None,
+                    kinds: tuple[str, ...] = KINDS) -> KernelModule:
+    """Render and compile `variant`'s kernels (one per kind) for (dtype, head_dim, arch).
+
+    Needs NVRTC and the CUDA headers, not a GPU. arch None: ``ATTNLANG_ARCH``, else the
+    current GPU's. Cached in memory (per process) and on disk (by the compiler).
+
+    Example: ``compile_variant(v, head_dim=128, dtype="bf16", arch="sm_90a").kinds``
+    -> ``("decode", "merge")``.
+    """
+    from attnlang.pipeline import generate_source
+    from attnlang.runtime.compiler import compile_source, nvrtc_version, resolve_arch
+
+    if not isinstance(variant, ir.Variant):
+        raise TypeError(f"variant must be an attnlang Variant (attnlang.load(...)), got "
+                        f"{type(variant).__name__}")
+    head_dim = check_head_dim(head_dim)
+    dtype = normalize_dtype(dtype)
+    kinds = tuple(kinds)
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
+    arch = resolve_arch(arch)
+    key = (variant, head_dim, dtype, arch, kinds)
+    with _MODULES_LOCK:
+        hit = _MODULES.get(key)
+    if hit is not None:
+        return hit
+    cubins, entries = {}, {}
+    short = _SHORT_DTYPE[dtype]
+    for kind in kinds:
+        source = generate_source(variant, kind, dtype, head_dim)
+        label = f"{variant.name}/{kind} {short} d{head_dim} {arch}"
+        cubin = compile_source(source, arch, name=f"{variant.name}_{kind}.cu", label=label)
+        cubins[kind] = cubin
+        entries[kind] = _entry_name(kind, [f.name for f in cubin.functions], label)
+    major, minor = nvrtc_version()
+    module = KernelModule(
+        name=variant.name, params=tuple(variant.params), softmax=bool(variant.softmax),
+        dtype=dtype, head_dim=head_dim, arch=arch, cubins=cubins, entries=entries,
+        variant=variant, nvrtc_version=f"{major}.{minor}",
+    )
+    with _MODULES_LOCK:
+        return _MODULES.setdefault(key, module)
+
+
+def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -> KernelModule:
+    """Load a directory written by `KernelModule.save`. Verifies the manifest and every
+    cubin's sha256; needs no NVRTC and no .attn source (nor a GPU until `function`).
+
+    check_version: refuse modules written by another attnlang version (the kernel argument
+    order and launch shapes may differ between versions). Raises ModuleLoadError.
+    """
+    root = Path(directory)
+    path = root / "manifest.json"
+    try:
+        manifest = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ModuleLoadError(
+            f"{root} is not a compiled attnlang module: {path} is missing (write one with "
+            "`attnlang compile FILE -o DIR` or KernelModule.save(DIR))"
+        ) from None
+    except (OSError, ValueError) as e:
+        raise ModuleLoadError(f"cannot read {path}: {e}") from None
+    try:
+        if manifest.get("format") != MANIFEST_FORMAT:
+            raise ModuleLoadError(
+                f"{path} has manifest format {manifest.get('format')!r}; this attnlang reads "
+                f"format {MANIFEST_FORMAT}: recompile the variant"
+            )
+        written_by = manifest["attnlang_version"]
+        if check_version and written_by != _attnlang_version():
+            raise ModuleLoadError(
+                f"{root} was compiled by attnlang {written_by}, this is attnlang "
+                f"{_attnlang_version()}: kernel arguments may differ between versions, so "
+                "recompile it (or pass check_version=False at your own risk)"
+            )
+        cubins, entries = {}, {}
+        for kind in manifest["kinds"]:
+            meta = manifest["cubins"][kind]
+            if kind not in KINDS or Path(meta["file"]).name != meta["file"]:
+                raise ModuleLoadError(f"{path}: bad cubin entry {kind!r}: {meta!r}")
+            file = root / meta["file"]
+            try:
+                data = file.read_bytes()
+            except OSError as e:
+                raise ModuleLoadError(f"{root}: cannot read the {kind} cubin: {e}") from None
+            digest = hashlib.sha256(data).hexdigest()
+            if digest != meta["sha256"]:
+                raise ModuleLoadError(
+                    f"{file} is corrupt: its sha256 is {digest}, the manifest says "
+                    f"{meta['sha256']}; recompile the variant"
+                )
+            cubins[kind] = Cubin(
+                data=data, arch=str(manifest["arch"]), key=digest, log="",
+                functions=tuple(FunctionInfo(**f) for f in meta.get("functions", ())),
+                compile_seconds=float(meta.get("compile_seconds", 0.0)), cache="loaded",
+                path=file)
+            entries[kind] = str(meta["entry"])
+        variant = manifest["variant"]
+        return KernelModule(
+            name=str(variant["name"]),
+            params=tuple(_param_from_json(p) for p in variant["params"]),
+            softmax=bool(variant["softmax"]),
+            dtype=normalize_dtype(manifest["dtype"]),
+            head_dim=check_head_dim(manifest["head_dim"]),
+            arch=str(manifest["arch"]),
+            cubins=cubins, entries=entries,
+            nvrtc_version=str(manifest.get("nvrtc_version", "unknown")),
+        )
+    except ModuleLoadError:
+        raise
+    except (KeyError, TypeError, ValueError) as e:
+        raise ModuleLoadError(f"{path} is malformed ({type(e).__name__}: {e}); recompile the "
+                              "variant") from None
+
+
+def check_head_dim(head_dim: Any) -> int:
+    """head_dim as an int if supported (64, 128, 256), else ValueError naming it."""
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}, "
+                         f"got {head_dim!r}")
+    return int(head_dim)
+
+
+_ARCH_RE = re.compile(r"sm_(\d+)(\d)([af]?)")
+
+
+def arch_runs_on(arch: str, device: str) -> bool:
+    """Can a cubin for `arch` ("sm_80", "sm_90a") run on a device of arch `device` ("sm_89")?
+
+    Plain cubins run on the same major version with an equal or newer minor; arch-specific
+    ('a') ones only on exactly their compute capability; family ('f') ones on their major.
+    """
+    a, d = _ARCH_RE.fullmatch(arch), _ARCH_RE.fullmatch(device)
+    if a is None or d is None:
+        return False
+    major, minor, suffix = int(a.group(1)), int(a.group(2)), a.group(3)
+    dmajor, dminor = int(d.group(1)), int(d.group(2))
+    if suffix == "a":
+        return (major, minor) == (dmajor, dminor)
+    return major == dmajor and minor <= dminor
+
+
+def device_arch(device: int) -> str:
+    """"sm_<cc>" of a CUDA device, e.g. "sm_90"."""
+    import cupy
+
+    return f"sm_{cupy.cuda.Device(device).compute_capability}"
+
+
+def _entry_name(kind: str, names: list[str], label: str) -> str:
+    """The extern "C" entry of a kind's cubin: named after the kind (docs/INTERNALS.md)."""
+    if kind in names or not names:
+        return kind
+    if len(names) == 1:
+        return names[0]
+    raise ValueError(f"{label}: the cubin has entries {names}, none named {kind!r}")
+
+
+def _param_to_json(p: ir.ParamSpec) -> dict[str, Any]:
+    return {"name": p.name, "type": p.type.value, "extent": p.extent, "default": p.default}
+
+
+def _param_from_json(d: Mapping[str, Any]) -> ir.ParamSpec:
+    t = ir.Type(d["type"])
+    if t not in (ir.INT, ir.FLOAT) or d.get("extent") not in (None, *ir.EXTENT_INDEX):
+        raise ValueError(f"bad param {d!r}")
+    default = d.get("default")
+    if default is not None:
+        default = int(default) if t is ir.INT else float(default)
+    return ir.ParamSpec(name=str(d["name"]), type=t, extent=d.get("extent"), default=default)
+
+
+def _attnlang_version() -> str:
+    import attnlang
+
+    return str(getattr(attnlang, "__version__", "unknown"))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)

@@ -1,0 +1,531 @@
+"""The CPU planner: a ragged batch's lengths -> a frozen work list for the attention kernels.
+
+This is the load-balancing scheduler of FlashInfer (Ye et al. 2025, Algorithm 1), written for
+attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
+
+1. Work units. Each request's query rows are fused with the GQA group (query i, group member
+   g -> fused row ``i * group_size + g``) and cut into tiles of ``rows_per_tile`` fused rows.
+   A unit is one (request, kv_head, row tile); it needs the request's whole KV sequence.
+2. KV chunk bound. From the total KV work of all units and the CTA count:
+   ``bound = max(min_kv_chunk, ceil(total_kv / num_ctas))`` rounded up to ``kv_align``.
+   A request is split iff its kv_len exceeds the bound; then every unit of it is cut into the
+   same ``n = ceil(kv_len / bound)`` chunks of equal length (at most the bound). Short requests
+   are never split, so decode batches that already fill the GPU pay no merge.
+3. Assignment. Chunks are sorted by cost (longest first; ties by creation order) and each
+   goes to the CTA with the least accumulated cost (a heap; ties by CTA index). Everything is
+   integer and ordered, so the same lengths always give bit-identical arrays: no atomics.
+4. Partial states. Unsplit chunks write the output directly (``work_partial == -1``); split
+   ones write partial (o, lse) rows, and the merge arrays list, for every (token, head) of a
+   split request, its partial rows in KV order.
+
+The plan is pure data: contiguous, read-only int32 NumPy arrays that the runtime copies into
+a device workspace with one host-to-device copy. Nothing here touches a GPU.
+
+Example::
+
+    plan = plan_batch([1, 1], [4000, 10], num_kv_heads=8, group_size=4,
+                      rows_per_tile=16, num_ctas=132)
+    plan.num_work_items, plan.merge_count, plan.kv_chunk_size
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import numpy as np
+
+__all__ = [
+    "ROW_COST", "KV_COST", "MIN_KV_CHUNK", "PlanError", "CapacityError", "PlanBounds", "Plan",
+    "plan_batch", "lengths_from_indptr", "chunk_bound", "worst_case_bounds",
+]
+
+# Cost model of one work item: ROW_COST * fused rows + KV_COST * KV positions, in units of
+# "one KV position": reading one K row and one V row (4 * head_dim bytes at 16 bit). A query
+# row costs about the same per item (load q, write o or its partial, finish the softmax),
+# doubled because a row's epilogue does not overlap the KV stream as well.
+ROW_COST = 2
+KV_COST = 1
+# Never split a request's KV below this many positions: a chunk this short costs about as
+# much in setup and merging as it saves, and it keeps short requests whole.
+MIN_KV_CHUNK = 256
+
+
+class PlanError(ValueError):
+    """A batch description the planner cannot schedule (bad lengths or arguments)."""
+
+
+class CapacityError(PlanError):
+    """The batch needs more workspace than the capacity fixed at construction.
+
+    `bound` names the capacity (a BatchAttention constructor argument), `needed` and
+    `capacity` the sizes.
+    """
+
+    def __init__(self, bound: str, needed: int, capacity: int, what: str):
+        self.bound, self.needed, self.capacity = bound, needed, capacity
+        super().__init__(
+            f"this batch needs {needed} {what} but the workspace holds {capacity} "
+            f"({bound}={capacity}); the capacity is fixed when BatchAttention is built so its "
+            f"buffers never move (CUDA graphs): build it with {bound}={needed} or more"
+        )
+
+
+@dataclass(frozen=True)
+class PlanBounds:
+    """Capacities of the device workspace; None means unbounded (planner-only use).
+
+    Example: ``PlanBounds(max_batch_size=256, max_total_q=8192, max_work_items=40000,
+    max_partial_rows=16896, max_merge_rows=8448)``.
+    """
+
+    max_batch_size: int | None = None
+    max_total_q: int | None = None
+    max_work_items: int | None = None
+    max_partial_rows: int | None = None
+    max_merge_rows: int | None = None
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The work list of one batch, as docs/INTERNALS.md lays it out.
+
+    Work items (W of them), grouped by CTA: CTA c runs items
+    ``work_indptr[c] .. work_indptr[c+1]-1``. Item w covers fused rows
+    ``[work_row_start[w], min(work_row_start[w] + rows_per_tile, qo_len * group_size))`` of
+    request ``work_request[w]`` for KV head ``work_kv_head[w]``, over KV positions
+    ``[work_kv_start[w], work_kv_end[w])``; ``work_partial[w]`` is -1 (write the output) or
+    the first of its partial rows.
+
+    Merge rows (M = merge_count), one per (token, query head) of every split request:
+    ``merge_slots[merge_indptr[m]:merge_indptr[m+1]]`` are its partial rows in KV order,
+    ``merge_token[m]`` its row of q/out, ``merge_head[m]`` its query head,
+    ``merge_request[m]`` its request.
+
+    All arrays are contiguous read-only int32. Shapes: work_indptr [num_ctas+1], work_* [W],
+    merge_indptr [M+1], merge_slots [num_partial_rows], merge_token/head/request [M].
+    """
+
+    num_ctas: int
+    num_kv_heads: int
+    group_size: int
+    rows_per_tile: int
+    kv_chunk_size: int  # the KV chunk bound this plan used
+    qo_lens: np.ndarray  # [batch] int32
+    kv_lens: np.ndarray  # [batch] int32
+    work_indptr: np.ndarray
+    work_request: np.ndarray
+    work_kv_head: np.ndarray
+    work_row_start: np.ndarray
+    work_kv_start: np.ndarray
+    work_kv_end: np.ndarray
+    work_partial: np.ndarray
+    merge_count: int
+    merge_indptr: np.ndarray
+    merge_slots: np.ndarray
+    merge_token: np.ndarray
+    merge_head: np.ndarray
+    merge_request: np.ndarray
+    num_partial_rows: int
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.qo_lens.shape[0])
+
+    @property
+    def total_q(self) -> int:
+        return int(self.qo_lens.sum())
+
+    @property
+    def num_work_items(self) -> int:
+        return int(self.work_request.shape[0])
+
+    @property
+    def num_split_requests(self) -> int:
+        split = np.unique(self.work_request[self.work_partial >= 0])
+        return int(split.shape[0])
+
+    def work_arrays(self) -> dict[str, np.ndarray]:
+        """The decode kernel's plan arguments, in kernel-argument order."""
+        return {
+            "work_indptr": self.work_indptr, "work_request": self.work_request,
+            "work_kv_head": self.work_kv_head, "work_row_start": self.work_row_start,
+            "work_kv_start": self.work_kv_start, "work_kv_end": self.work_kv_end,
+            "work_partial": self.work_partial,
+        }
+
+    def merge_arrays(self) -> dict[str, np.ndarray]:
+        """The merge kernel's plan arguments (after merge_count), in kernel-argument order."""
+        return {
+            "merge_indptr": self.merge_indptr, "merge_slots": self.merge_slots,
+            "merge_token": self.merge_token, "merge_head": self.merge_head,
+            "merge_request": self.merge_request,
+        }
+
+    def cta_costs(self) -> np.ndarray:
+        """Cost (ROW_COST * rows + KV_COST * kv) accumulated by each CTA, [num_ctas] int64."""
+        rows = _item_rows(self.qo_lens[self.work_request] * self.group_size,
+                          self.work_row_start, self.rows_per_tile)
+        cost = ROW_COST * rows + KV_COST * (self.work_kv_end - self.work_kv_start).astype(np.int64)
+        cta = np.repeat(np.arange(self.num_ctas), np.diff(self.work_indptr))
+        return np.bincount(cta, weights=cost, minlength=self.num_ctas).astype(np.int64)
+
+    def same_as(self, other: Plan) -> bool:
+        """True if both plans hold identical values (the determinism check)."""
+        for f in fields(self):
+            a, b = getattr(self, f.name), getattr(other, f.name)
+            if isinstance(a, np.ndarray):
+                if a.dtype != b.dtype or not np.array_equal(a, b):
+                    return False
+            elif a != b:
+                return False
+        return True
+
+
+def lengths_from_indptr(indptr, name: str) -> np.ndarray:
+    """Per-request lengths of an indptr ``[batch+1]`` (starts at 0, non-decreasing), int64.
+
+    Raises PlanError naming `name` otherwise. Example: ``[0, 3, 3, 7] -> [3, 0, 4]``.
+    """
+    a = _int_array(indptr, name)
+    if a.shape[0] < 1:
+        raise PlanError(f"{name} must have batch_size + 1 >= 1 entries, got an empty array")
+    if a[0] != 0:
+        raise PlanError(f"{name} must start at 0, got {name}[0] = {a[0]}")
+    d = np.diff(a)
+    if (d < 0).any():
+        i = int(np.argmax(d < 0))
+        raise PlanError(
+            f"{name} must be non-decreasing, but {name}[{i + 1}] = {a[i + 1]} < "
+            f"{name}[{i}] = {a[i]}"
+        )
+    return d
+
+
+def chunk_bound(total_kv: int, num_ctas: int, *, min_kv_chunk: int = MIN_KV_CHUNK,
+                kv_align: int = 1) -> int:
+    """The KV chunk bound: ``max(min_kv_chunk, ceil(total_kv / num_ctas))`` rounded up to a
+    multiple of kv_align. Example: ``chunk_bound(262144, 132, kv_align=16) == 2000``.
+    """
+    bound = max(min_kv_chunk, -(-total_kv // num_ctas), 1)
+    return -(-bound // kv_align) * kv_align
+
+
+def worst_case_bounds(*, max_batch_size: int, max_total_q: int, num_kv_heads: int,
+                      group_size: int, rows_per_tile: int, num_ctas: int) -> PlanBounds:
+    """Capacities that no batch within (max_batch_size, max_total_q) can exceed when the
+    chunk bound is automatic (no kv_chunk_size override).
+
+    Why they hold: every split unit has kv_len > bound >= total_kv / num_ctas and is cut into
+    ceil(kv_len / bound) < 2 kv_len / bound chunks, so all split chunks together number fewer
+    than 2 total_kv / bound <= 2 num_ctas, each with at most rows_per_tile partial rows; a
+    merge row takes at least two of them. Unsplit units number at most
+    num_kv_heads * (batch + ceil(total_q * group / rows_per_tile)).
+    """
+    units = num_kv_heads * (max_batch_size + -(-max_total_q * group_size // rows_per_tile))
+    partial_rows = 2 * num_ctas * rows_per_tile
+    merge_rows = min(max_total_q * num_kv_heads * group_size, partial_rows // 2)
+    return PlanBounds(
+        max_batch_size=max_batch_size, max_total_q=max_total_q,
+        max_work_items=units + 2 * num_ctas, max_partial_rows=partial_rows,
+        max_merge_rows=merge_rows,
+    )
+
+
+def plan_batch(
+    qo_lens: Sequence[int] | np.ndarray,
+    kv_lens: Sequence[int] | np.ndarray,
+    *,
+    num_kv_heads: int,
+    group_size: int,
+    rows_per_tile: int,
+    num_ctas: int,
+    min_kv_chunk: int = MIN_KV_CHUNK,
+    kv_align: int = 1,
+    kv_chunk_size: int | None = None,
+    bounds: PlanBounds | None = None,
+) -> Plan:
+    """Schedule a ragged batch over `num_ctas` CTAs. Pure CPU, deterministic.
+
+    Args:
+        qo_lens, kv_lens: [batch] query and KV lengths per request (0 <= qo_len <= kv_len:
+            queries are the last tokens of their sequence, LANGUAGE.md section 4).
+        num_kv_heads, group_size: KV heads and query heads per KV head (GQA group).
+        rows_per_tile: fused rows per work item (the kernel's R, from launch_config).
+        num_ctas: CTAs of the (fixed) decode grid.
+        min_kv_chunk: the automatic bound never goes below this many KV positions.
+        kv_align: chunk lengths are rounded up to multiples of this (the kernel's KV tile).
+        kv_chunk_size: override the bound (tests force splits with a small value); used as
+            given, ignoring min_kv_chunk and kv_align. Requests longer than it are split.
+        bounds: workspace capacities; exceeding one raises CapacityError naming it.
+
+    Returns a Plan. Requests with qo_len == 0 produce no work. Example::
+
+        plan_batch([1, 128], [5000, 300], num_kv_heads=2, group_size=4, rows_per_tile=16,
+                   num_ctas=8)
+    """
+    for arg, value in (("num_kv_heads", num_kv_heads), ("group_size", group_size),
+                       ("rows_per_tile", rows_per_tile), ("num_ctas", num_ctas),
+                       ("min_kv_chunk", min_kv_chunk), ("kv_align", kv_align)):
+        _check_positive(arg, value)
+    if kv_chunk_size is not None:
+        _check_positive("kv_chunk_size", kv_chunk_size)
+    qo = _int_array(qo_lens, "qo_lens")
+    kv = _int_array(kv_lens, "kv_lens")
+    if qo.shape != kv.shape:
+        raise PlanError(
+            f"qo_lens and kv_lens must have one entry per request, got {qo.shape[0]} and "
+            f"{kv.shape[0]}"
+        )
+    for name, a in (("qo_lens", qo), ("kv_lens", kv)):
+        if (a < 0).any():
+            i = int(np.argmax(a < 0))
+            raise PlanError(f"{name} must be >= 0, got {name}[{i}] = {a[i]}")
+    if (qo > kv).any():
+        i = int(np.argmax(qo > kv))
+        raise PlanError(
+            f"request {i} has {qo[i]} queries but only {kv[i]} KV positions: queries are the "
+            "last tokens of their sequence (q_pos = kv_len - qo_len + i), so qo_len must be "
+            "<= kv_len; append the new tokens' K/V to the cache before planning"
+        )
+    if int(kv.max(initial=0)) >= 2**31 or int(qo.sum()) >= 2**31:
+        raise PlanError("lengths overflow int32: total_q and every kv_len must be < 2**31")
+    bounds = bounds or PlanBounds()
+    batch = qo.shape[0]
+    total_q = int(qo.sum())
+    _check_bound(bounds.max_batch_size, "max_batch_size", batch, "requests")
+    _check_bound(bounds.max_total_q, "max_total_q", total_q, "query tokens")
+
+    # 1. Units, ordered (request, kv_head, tile).
+    fused = qo * group_size
+    tiles = -(-fused // rows_per_tile)  # 0 for qo_len == 0: no work
+    per_req_units = tiles * num_kv_heads
+    unit_req = np.repeat(np.arange(batch, dtype=np.int64), per_req_units)
+    first_unit = np.cumsum(per_req_units) - per_req_units
+    local = np.arange(unit_req.shape[0], dtype=np.int64) - first_unit[unit_req]
+    unit_kvh = local // tiles[unit_req] if unit_req.size else local
+    unit_tile = local % tiles[unit_req] if unit_req.size else local
+    unit_row0 = unit_tile * rows_per_tile
+    unit_rows = np.minimum(fused[unit_req] - unit_row0, rows_per_tile)
+    unit_kv = kv[unit_req]
+
+    # 2. The chunk bound and each request's chunk count / length (equal chunks).
+    if kv_chunk_size is None:
+        bound = chunk_bound(int(unit_kv.sum()), num_ctas, min_kv_chunk=min_kv_chunk,
+                            kv_align=kv_align)
+        align = kv_align
+    else:
+        bound, align = int(kv_chunk_size), 1
+    n_chunks = np.maximum(-(-kv // bound), 1)  # kv_len == 0: one empty chunk, unsplit
+    chunk_len = -(-kv // n_chunks)
+    chunk_len = -(-chunk_len // align) * align
+    n_chunks = np.where(kv > 0, -(-kv // np.maximum(chunk_len, 1)), 1)  # alignment may merge
+    split = n_chunks > 1
+
+    # Items: each unit repeated n_chunks times, chunks in KV order.
+    unit_n = n_chunks[unit_req]
+    item_unit = np.repeat(np.arange(unit_req.shape[0], dtype=np.int64), unit_n)
+    item_first = np.cumsum(unit_n) - unit_n
+    item_c = np.arange(item_unit.shape[0], dtype=np.int64) - item_first[item_unit]
+    item_req = unit_req[item_unit]
+    item_kv0 = item_c * chunk_len[item_req]
+    item_kv1 = np.minimum(item_kv0 + chunk_len[item_req], kv[item_req])
+    item_rows = unit_rows[item_unit]
+    num_items = item_unit.shape[0]
+    _check_bound(bounds.max_work_items, "max_work_items", num_items, "work items")
+
+    # 4 (before 3: slots depend on creation order only). Partial rows, allocated in item order.
+    item_split = split[item_req]
+    slot_size = np.where(item_split, item_rows, 0)
+    item_partial = np.cumsum(slot_size) - slot_size
+    num_partial_rows = int(slot_size.sum())
+    item_partial = np.where(item_split, item_partial, -1)
+    _check_bound(bounds.max_partial_rows, "max_partial_rows", num_partial_rows,
+                 "partial rows (split-KV states)")
+
+    # 3. Longest chunk first to the least-loaded CTA.
+    cost = ROW_COST * item_rows + KV_COST * (item_kv1 - item_kv0)
+    order = np.argsort(-cost, kind="stable")
+    cta_of_sorted = _assign(cost[order], num_ctas)
+    # Group by CTA, keeping assignment order within a CTA.
+    by_cta = np.argsort(cta_of_sorted, kind="stable")
+    items = order[by_cta]
+    counts = np.bincount(cta_of_sorted, minlength=num_ctas)
+    work_indptr = np.concatenate(([0], np.cumsum(counts)))
+
+    merge = _merge_rows(qo, split, n_chunks, tiles, first_unit, unit_row0, item_first,
+                        item_partial, group_size, num_kv_heads, rows_per_tile)
+    merge_count = int(merge[1].shape[0])
+    _check_bound(bounds.max_merge_rows, "max_merge_rows", merge_count, "merge rows")
+
+    return Plan(
+        num_ctas=int(num_ctas), num_kv_heads=int(num_kv_heads), group_size=int(group_size),
+        rows_per_tile=int(rows_per_tile), kv_chunk_size=int(bound),
+        qo_lens=_frozen(qo), kv_lens=_frozen(kv),
+        work_indptr=_frozen(work_indptr),
+        work_request=_frozen(item_req[items]),
+        work_kv_head=_frozen(unit_kvh[item_unit[items]]),
+        work_row_start=_frozen(unit_row0[item_unit[items]]),
+        work_kv_start=_frozen(item_kv0[items]),
+        work_kv_end=_frozen(item_kv1[items]),
+        work_partial=_frozen(item_partial[items]),
+        merge_count=merge_count,
+        merge_indptr=_frozen(merge[0]), merge_slots=_frozen(merge[4]),
+        merge_token=_frozen(merge[1]), merge_head=_frozen(merge[2]),
+        merge_request=_frozen(merge[3]),
+        num_partial_rows=num_partial_rows,
+    )
+
+
+def _assign(sorted_cost: np.ndarray, num_ctas: int) -> np.ndarray:
+    """Greedy LPT: item i (costs sorted descending) -> the least-loaded CTA, ties by index.
+
+    Exactly the heap algorithm; long runs of equal cost (uniform batches) take a vectorized
+    path that provably picks the same CTAs (see _assign_equal).
+    """
+    n = sorted_cost.shape[0]
+    if n <= num_ctas:
+        # Every CTA is empty when its item arrives: the heap would pick CTA i for item i.
+        return np.arange(n, dtype=np.int64)
+    loads = np.zeros(num_ctas, dtype=np.int64)
+    out = np.empty(n, dtype=np.int64)
+    # Runs of equal cost: [starts[r], starts[r+1]).
+    starts = np.flatnonzero(np.diff(sorted_cost, prepend=sorted_cost[0] + 1))
+    bounds = np.append(starts, n).tolist()
+    i = 0
+    while i < n:
+        r = bisect.bisect_right(bounds, i) - 1
+        run_end = bounds[r + 1]
+        if run_end - i >= _RUN_MIN:
+            picks = _assign_equal(loads, int(sorted_cost[i]), run_end - i)
+            if picks is not None:
+                out[i:run_end] = picks
+                i = run_end
+                continue
+        # Heap stretch up to the next long run.
+        stop = run_end
+        while stop < n and bounds[bisect.bisect_right(bounds, stop)] - stop < _RUN_MIN:
+            stop = bounds[bisect.bisect_right(bounds, stop)]
+        out[i:stop] = _assign_heap(loads, sorted_cost[i:stop])
+        i = stop
+    return out
+
+
+# Shortest run of equal costs worth the vectorized path.
+_RUN_MIN = 64
+
+
+def _assign_heap(loads: np.ndarray, costs: np.ndarray) -> np.ndarray:
+    """The plain heap loop over `costs`, starting from (and updating) `loads`."""
+    m = loads.shape[0]
+    # Heap keys pack (load, cta) into one int, load * stride + cta: the same order as the
+    # tuple, several times faster to compare. A sorted list is a valid heap.
+    stride = 1 << max(m - 1, 1).bit_length()
+    heap = sorted((loads * stride + np.arange(m)).tolist())
+    mask = stride - 1
+    out = []
+    append, replace = out.append, heapq.heapreplace
+    for c in costs.tolist():
+        key = heap[0]
+        append(key & mask)
+        replace(heap, key + c * stride)
+    keys = np.asarray(heap, dtype=np.int64)
+    loads[keys & mask] = keys // stride
+    return np.asarray(out, dtype=np.int64)
+
+
+def _assign_equal(loads: np.ndarray, c: int, k: int) -> np.ndarray | None:
+    """k items of equal cost c, as the heap would place them; updates `loads`.
+
+    Giving an item to CTA j at load L turns its heap key into L + c, CTA j's next candidate,
+    so the heap's picks are the k smallest pairs (L_j + t c, j), t >= 0, in (value, j)
+    order. The k-th smallest value is at most max(L) + c ceil(k / m) (every CTA has
+    ceil(k/m) + 1 candidates up to there), so only those candidates are generated. Returns
+    None (use the heap) when the loads are so uneven that there would be too many.
+    """
+    m = loads.shape[0]
+    hi = int(loads.max()) + c * -(-k // m)
+    per_cta = (hi - loads) // c + 1
+    total = int(per_cta.sum())
+    if total > 8 * k + 2 * m:
+        return None
+    cta = np.repeat(np.arange(m, dtype=np.int64), per_cta)
+    t = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(per_cta) - per_cta, per_cta)
+    value = loads[cta] + t * c
+    picks = cta[np.lexsort((cta, value))[:k]]
+    loads += c * np.bincount(picks, minlength=m)
+    return picks
+
+
+def _merge_rows(qo, split, n_chunks, tiles, first_unit_of_req, unit_row0, unit_first_item,
+                item_partial, group_size, num_kv_heads, rows_per_tile):
+    """(indptr, token, head, request, slots) of the merge rows, ordered (request, token, head).
+
+    Units are numbered (request, kv_head, tile) from first_unit_of_req[request]; the items of
+    a unit are its chunks in KV order from unit_first_item[unit]. The partial row of
+    (token i, head kv_head * group + g) in chunk c is
+    ``item_partial[unit_first_item[unit] + c] + (i * group + g - row_start)``.
+    """
+    empty = np.zeros(0, dtype=np.int64)
+    reqs = np.flatnonzero(split & (qo > 0))
+    if reqs.size == 0:
+        return np.zeros(1, dtype=np.int64), empty, empty, empty, empty
+    num_heads = num_kv_heads * group_size
+    qo_start = np.cumsum(qo) - qo
+
+    rows_per_req = qo[reqs] * num_heads
+    m_req = np.repeat(reqs, rows_per_req)
+    local = np.arange(m_req.shape[0], dtype=np.int64) - np.repeat(
+        np.cumsum(rows_per_req) - rows_per_req, rows_per_req)
+    i = local // num_heads  # token within the request
+    head = local % num_heads
+    kvh, g = head // group_size, head % group_size
+    fused = i * group_size + g
+    tile = fused // rows_per_tile
+    unit = first_unit_of_req[m_req] + kvh * tiles[m_req] + tile
+    offset = fused - unit_row0[unit]
+    n = n_chunks[m_req]
+    indptr = np.concatenate(([0], np.cumsum(n)))
+    # Slot of chunk c of merge row m: partial start of item (first item of unit + c) + offset.
+    m_of_slot = np.repeat(np.arange(m_req.shape[0]), n)
+    c = np.arange(m_of_slot.shape[0], dtype=np.int64) - indptr[:-1][m_of_slot]
+    slots = item_partial[unit_first_item[unit[m_of_slot]] + c] + offset[m_of_slot]
+    return indptr, qo_start[m_req] + i, head, m_req, slots
+
+
+def _item_rows(fused_rows: np.ndarray, row_start: np.ndarray, rows_per_tile: int) -> np.ndarray:
+    return np.minimum(fused_rows.astype(np.int64) - row_start, rows_per_tile)
+
+
+def _frozen(a: np.ndarray) -> np.ndarray:
+    out = np.ascontiguousarray(a, dtype=np.int32)
+    if out is a:
+        out = out.copy()
+    out.setflags(write=False)
+    return out
+
+
+def _int_array(x, name: str) -> np.ndarray:
+    try:
+        a = np.asarray(x)
+    except Exception as e:  # ragged lists and the like
+        raise PlanError(f"{name} must be a 1-D array of integers: {e}") from None
+    if a.ndim != 1:
+        raise PlanError(f"{name} must be a 1-D array of integers, got shape {a.shape}")
+    if a.size == 0:
+        return np.zeros(0, dtype=np.int64)
+    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+        raise PlanError(f"{name} must hold integers, got dtype {a.dtype}")
+    return a.astype(np.int64)
+
+
+def _check_positive(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise PlanError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _check_bound(capacity: int | None, bound: str, needed: int, what: str) -> None:
+    if capacity is not None and needed > capacity:
+        raise CapacityError(bound, needed, capacity, what)

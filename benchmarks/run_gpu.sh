@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# The one command for the GPU machine (see ../shared/gpu/README.md), from the repo root,
+# with `.whl` (and `.peers` for benchmarks) carried along:
+#   bash benchmarks/run_gpu.sh tests            GPU tests (correctness), log in $OUT
+#   bash benchmarks/run_gpu.sh decode [args]    benchmarks/decode.py
+#   bash benchmarks/run_gpu.sh prefill [args]   benchmarks/prefill.py
+# Several can be chained: bash benchmarks/run_gpu.sh tests decode
+set -uo pipefail
+OUT=${OUT:-/tmp/attnlang-out}
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=$PWD:/tmp/site PYTHONUNBUFFERED=1
+export ATTNLANG_CACHE_DIR=${ATTNLANG_CACHE_DIR:-/tmp/attnlang-cache}
+export ATTNLANG_ERROR_LOG=$OUT/max_errors.json
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv,noheader
+status=0
+for what in "$@"; do
+  case "$what" in
+    tests) python3 -m pytest -q -ra -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
+           status=$((status | PIPESTATUS[0])) ;;
+    decode|prefill) python3 "benchmarks/$what.py" --out "$OUT/$what.json" 2>&1 | tee "$OUT/$what.log"
+           status=$((status | PIPESTATUS[0])) ;;
+    *) echo "unknown step '$what'"; exit 2 ;;
+  esac
+done
+exit $status

@@ -1,0 +1,542 @@
+"""BatchAttention and merge_states on a GPU, against the NumPy reference (float64).
+
+Every variant of the zoo (tests/variant_files.py) runs in decode and in prefill, over a
+pairwise selection of dtype x head_dim x page_size x GQA group x mode x KV splitting (each
+pair of values of two axes appears at least once; not the full product), on fresh random
+ragged batches with shuffled pages, poisoned unused cache slots and NaN-poisoned outputs.
+Then: torch tensors in -> torch out without copies, merge_states, CUDA-graph replay after a
+re-plan, bitwise determinism, a saved-and-loaded module, and validation before launch.
+
+Tolerance (LANGUAGE.md section 7): relative L2 error <= 1e-2 (bf16), <= 2e-3 (fp16). The
+largest error per dtype is printed at the end of the run (tests/conftest.py; also written to
+$ATTNLANG_ERROR_LOG if set).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+import attnlang
+from attnlang import ir
+from attnlang.codegen.config import launch_config
+from attnlang.reference import attention_paged
+from attnlang.runtime.arrays import bfloat16_bits_to_float, float_to_bfloat16_bits, round_to_dtype
+from attnlang.runtime.merge import merge_states_reference
+from attnlang.runtime.paged import indptr_from_lengths, ragged_to_paged
+from attnlang.runtime.planner import plan_batch
+from tests.variant_files import VARIANT_FILES, VARIANT_IDS
+
+pytestmark = pytest.mark.gpu
+
+TOLERANCE = {"bfloat16": 1e-2, "float16": 2e-3}
+SHORT = {"bfloat16": "bf16", "float16": "fp16"}
+VARIANT_PATHS = dict(zip(VARIANT_IDS, VARIANT_FILES, strict=True))
+MAX_BATCH, MAX_TOTAL_Q, MAX_KV_INDICES = 8, 512, 1 << 15
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+# ---------------------------------------------------------------------------- the matrix
+
+AXES = {
+    "dtype": ("bfloat16", "float16"),
+    "head_dim": (64, 128, 256),
+    "page_size": (1, 16, 64),
+    "group": (1, 4, 8),
+    "mode": ("decode", "prefill"),
+    "split": ("auto", "forced", "none"),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    variant: str
+    dtype: str
+    head_dim: int
+    page_size: int
+    group: int
+    mode: str
+    split: str
+    seed: int
+
+    @property
+    def id(self) -> str:
+        return (f"{self.variant}-{self.mode}-{SHORT[self.dtype]}-d{self.head_dim}-"
+                f"p{self.page_size}-g{self.group}-{self.split}")
+
+
+def _pairs(values: tuple) -> set:
+    return {((i, values[i]), (j, values[j])) for i, j in itertools.combinations(range(6), 2)}
+
+
+def build_matrix() -> list[Case]:
+    """Every variant in decode and prefill; axis values chosen greedily to cover new pairs
+    of axis values first, then extra cases (variants in turn) until every pair is covered.
+    Deterministic."""
+    names = list(AXES)
+    candidates = list(itertools.product(*AXES.values()))
+    uncovered = set().union(*(_pairs(c) for c in candidates))
+    chosen: list[tuple[str, tuple]] = []
+
+    def pick(pool, offset):
+        rotated = pool[offset % len(pool):] + pool[:offset % len(pool)]
+        return max(rotated, key=lambda c: len(_pairs(c) & uncovered))  # first best wins
+
+    mode_axis = names.index("mode")
+    for n, variant in enumerate(VARIANT_IDS):
+        for m, mode in enumerate(AXES["mode"]):
+            # The rotation spreads the remaining choices once every pair is covered.
+            values = pick([c for c in candidates if c[mode_axis] == mode], 23 * (2 * n + m))
+            uncovered -= _pairs(values)
+            chosen.append((variant, values))
+    n = 0
+    while uncovered:
+        values = pick(candidates, 0)
+        uncovered -= _pairs(values)
+        chosen.append((VARIANT_IDS[n % len(VARIANT_IDS)], values))
+        n += 1
+    cases = [Case(variant, *values, seed=1000 + i) for i, (variant, values) in enumerate(chosen)]
+    # What the selection promises: every pair of axis values, every variant in both modes.
+    seen = set().union(*(_pairs(tuple(getattr(c, n) for n in names)) for c in cases))
+    assert seen == set().union(*(_pairs(c) for c in candidates))
+    assert {(c.variant, c.mode) for c in cases} == {
+        (v, m) for v in VARIANT_IDS for m in AXES["mode"]}
+    return cases
+
+
+MATRIX = build_matrix()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def to_device(cp, x: np.ndarray, dtype: str):
+    """float32 values (already representable) -> a device array of the attention dtype;
+    bf16 travels as uint16 bits (works with or without ml_dtypes)."""
+    if dtype == "float16":
+        return cp.asarray(x.astype(np.float16))
+    return cp.asarray(float_to_bfloat16_bits(x))
+
+
+def from_device(cp, x, dtype: str) -> np.ndarray:
+    host = cp.asnumpy(x)
+    if dtype == "float16":
+        return host.astype(np.float32)
+    return bfloat16_bits_to_float(host.view(np.uint16))
+
+
+def poisoned(cp, shape, dtype: str):
+    if dtype == "float16":
+        return cp.full(shape, np.nan, dtype=np.float16)
+    return cp.full(shape, 0x7FC0, dtype=np.uint16)  # bf16 NaN
+
+
+@dataclass
+class Batch:
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray  # pages
+    kv_indices: np.ndarray
+    kv_last_page_len: np.ndarray
+    q: np.ndarray  # float32 values as rounded to the dtype
+    k_cache: np.ndarray
+    v_cache: np.ndarray
+
+    @property
+    def table(self):
+        return self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_last_page_len
+
+
+def make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype) -> Batch:
+    qo, kv = np.asarray(qo), np.asarray(kv)
+    q = rng.standard_normal((qo.sum(), num_qo_heads, head_dim)).astype(np.float32)
+    k = rng.standard_normal((kv.sum(), num_kv_heads, head_dim)).astype(np.float32)
+    v = rng.standard_normal((kv.sum(), num_kv_heads, head_dim)).astype(np.float32)
+    k_cache, v_cache, kv_indices, kv_indptr, last = ragged_to_paged(
+        round_to_dtype(k, dtype), round_to_dtype(v, dtype), indptr_from_lengths(kv),
+        page_size, rng=rng)
+    return Batch(indptr_from_lengths(qo), kv_indptr, kv_indices, last,
+                 round_to_dtype(q, dtype), round_to_dtype(k_cache, dtype),
+                 round_to_dtype(v_cache, dtype))
+
+
+def lengths_for(rng, mode: str) -> tuple[np.ndarray, np.ndarray]:
+    """Ragged lengths: decode (qo_len 1, kv_len up to 2000, one of length 1) or prefill (one
+    long prompt up to 300 queries over up to 2000 keys, a pure prompt, an empty request)."""
+    if mode == "decode":
+        kv = np.array([1, rng.integers(2, 300), rng.integers(300, 1000), rng.integers(1000, 2001),
+                       rng.integers(1, 2001), rng.integers(1, 2001)])
+        rng.shuffle(kv)
+        return np.ones_like(kv), kv
+    qo = np.array([rng.integers(100, 301), rng.integers(1, 65), 0, rng.integers(1, 17)])
+    kv = qo + np.array([rng.integers(300, 1701), rng.integers(0, 501), rng.integers(0, 101),
+                         0])
+    return qo, kv
+
+
+def make_params(variant: ir.Variant, rng, qo, kv, num_qo_heads, num_kv_heads, head_dim):
+    """Realistic params: ALiBi slopes geometric, QK-norm weights around 1, prefix lengths per
+    request, FlashSigmoid's bias -log(n); other scalars near their defaults."""
+    extents = {"heads": num_qo_heads, "kv_heads": num_kv_heads, "batch": len(qo),
+               "dim": head_dim}
+    params = {}
+    for spec in variant.params:
+        if spec.extent is None:
+            if spec.name == "bias":
+                value = -math.log(float(max(kv)))
+            elif spec.type is ir.INT:
+                value = int(spec.default if spec.default is not None else 1)
+            elif spec.default is not None:
+                value = float(spec.default) * (1 + 0.1 * rng.random())
+            else:
+                value = 1.0
+        else:
+            n = extents[spec.extent]
+            if spec.name == "slopes":
+                value = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
+            elif spec.type is ir.INT and spec.extent == "batch":
+                value = rng.integers(0, np.asarray(kv) + 1)  # a prefix / offset per request
+            elif spec.type is ir.INT:
+                value = rng.integers(0, 4, n)
+            else:
+                value = 1.0 + 0.1 * rng.standard_normal(n)
+            value = np.asarray(value, dtype=np.int32 if spec.type is ir.INT else np.float32)
+        params[spec.name] = value
+    return params
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def check_lse(got: np.ndarray, ref: np.ndarray) -> None:
+    assert np.array_equal(np.isneginf(got), np.isneginf(ref)), "fully masked rows differ"
+    finite = np.isfinite(ref)
+    assert np.isfinite(got[finite]).all()
+    np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-3, atol=5e-3)
+
+
+def build_attention(variant, case: Case, qo, kv, num_qo_heads, num_kv_heads):
+    """BatchAttention for a case. forced: a small KV chunk bound, so short requests split
+    too (capacities sized from a CPU plan); none: no split, few CTAs (many items each)."""
+    kwargs = dict(max_batch_size=MAX_BATCH, max_total_q=MAX_TOTAL_Q,
+                  max_kv_indices=MAX_KV_INDICES)
+    chunk = None
+    if case.split == "forced":
+        chunk = int(np.random.default_rng(case.seed).choice(
+            [32, 64, 100] if case.mode == "decode" else [128, 200, 256]))
+        cfg = launch_config("decode", case.head_dim, case.group, case.dtype)
+        need = plan_batch(qo, kv, num_kv_heads=num_kv_heads, group_size=case.group,
+                          rows_per_tile=cfg.rows_per_tile, num_ctas=16, kv_chunk_size=chunk)
+        kwargs.update(num_ctas=16, max_work_items=need.num_work_items,
+                      max_partial_rows=max(1, need.num_partial_rows),
+                      max_merge_rows=max(1, need.merge_count))
+    elif case.split == "none":
+        chunk = 1 << 30
+        kwargs.update(num_ctas=7)
+    attn = attnlang.BatchAttention(variant, num_qo_heads, num_kv_heads, case.head_dim,
+                                   dtype=case.dtype, page_size=case.page_size, **kwargs)
+    return attn, chunk
+
+
+# ---------------------------------------------------------------------------- correctness
+
+
+@pytest.mark.parametrize("case", MATRIX, ids=[c.id for c in MATRIX])
+def test_attention_matches_reference(cp, case, error_log):
+    variant = attnlang.load(VARIANT_PATHS[case.variant])
+    rng = np.random.default_rng(case.seed)
+    num_kv_heads = 4 if case.group == 1 else 2
+    num_qo_heads = num_kv_heads * case.group
+    qo, kv = lengths_for(rng, case.mode)
+    batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, case.head_dim,
+                       case.page_size, case.dtype)
+    params = make_params(variant, rng, qo, kv, num_qo_heads, num_kv_heads, case.head_dim)
+    ref_o, ref_lse = attention_paged(variant, batch.q, batch.k_cache, batch.v_cache,
+                                     *batch.table, params=params)
+
+    attn, chunk = build_attention(variant, case, qo, kv, num_qo_heads, num_kv_heads)
+    plan = attn.plan(*batch.table, kv_chunk_size=chunk)
+    if case.split == "forced":
+        assert plan.merge_count > 0, "the forced case must exercise the merge kernel"
+    if case.split == "none":
+        assert plan.merge_count == 0
+    # Half the cases pass tensor params as device arrays, half as NumPy (copied).
+    if case.seed % 2:
+        params = {k: (cp.asarray(v) if isinstance(v, np.ndarray) else v)
+                  for k, v in params.items()}
+    q = to_device(cp, batch.q, case.dtype)
+    kc = to_device(cp, batch.k_cache, case.dtype)
+    vc = to_device(cp, batch.v_cache, case.dtype)
+    out = poisoned(cp, q.shape, case.dtype)
+    got, lse = attn.run(q, (kc, vc), params, out=out, return_lse=True)
+    assert got is out
+    got = from_device(cp, got, case.dtype)
+    assert not np.isnan(got).any(), "rows left unwritten (still NaN)"
+    err = rel_l2(got, ref_o)
+    error_log(case.dtype, err, case.id)
+    assert err <= TOLERANCE[case.dtype], f"relative L2 error {err:.2e}"
+    if variant.softmax:
+        check_lse(cp.asnumpy(lse), ref_lse)
+    else:
+        assert lse is None
+
+
+def test_splitting_does_not_change_the_result(cp):
+    """The same batch with no split, the automatic split and a tiny chunk: equal within
+    float32 rounding (LANGUAGE.md: the result does not depend on how KV is split)."""
+    variant = attnlang.load(VARIANT_PATHS["softcap"])
+    rng = np.random.default_rng(7)
+    qo, kv = np.array([1, 1, 3]), np.array([1900, 40, 700])
+    batch = make_batch(rng, qo, kv, 8, 2, 128, 16, "float16")
+    attn = attnlang.BatchAttention(variant, 8, 2, 128, "float16", 16, max_batch_size=4,
+                                   max_total_q=16, max_work_items=4096,
+                                   max_partial_rows=8192, max_merge_rows=4096)
+    q, kc, vc = (to_device(cp, x, "float16") for x in (batch.q, batch.k_cache, batch.v_cache))
+    results = []
+    for chunk in (1 << 30, None, 48):
+        attn.plan(*batch.table, kv_chunk_size=chunk)
+        results.append(from_device(cp, attn.run(q, (kc, vc)), "float16"))
+    assert rel_l2(results[1], results[0]) < 2e-3 and rel_l2(results[2], results[0]) < 2e-3
+
+
+# ---------------------------------------------------------------------------- torch
+
+
+def test_torch_tensors_in_torch_out_without_copies(cp, error_log):
+    torch = pytest.importorskip("torch")
+    variant = attnlang.load(VARIANT_PATHS["alibi"])
+    rng = np.random.default_rng(11)
+    qo, kv = np.array([1, 4, 1]), np.array([900, 60, 2])
+    batch = make_batch(rng, qo, kv, 16, 2, 128, 16, "bfloat16")
+    params = make_params(variant, rng, qo, kv, 16, 2, 128)
+    ref_o, ref_lse = attention_paged(variant, batch.q, batch.k_cache, batch.v_cache,
+                                     *batch.table, params=params)
+
+    def t(x, dtype=torch.bfloat16):
+        return torch.from_numpy(np.ascontiguousarray(x)).to("cuda").to(dtype)
+
+    q, kc, vc = t(batch.q), t(batch.k_cache), t(batch.v_cache)
+    slopes = t(params["slopes"], torch.float32)
+    attn = attnlang.BatchAttention(variant, 16, 2, 128, torch.bfloat16, 16)
+    attn.plan(*batch.table)
+    out = torch.full_like(q, float("nan"))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # work goes to torch's current stream
+        got = attn.run(q, (kc, vc), {"slopes": slopes}, out=out)
+        fresh, lse = attn.run(q, (kc, vc), {"slopes": slopes}, return_lse=True)
+    side.synchronize()
+    assert got is out and got.data_ptr() == out.data_ptr()
+    assert isinstance(fresh, torch.Tensor) and fresh.dtype == torch.bfloat16
+    assert fresh.device == q.device and fresh.shape == q.shape
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    for result in (got, fresh):
+        err = rel_l2(result.float().cpu().numpy(), ref_o)
+        error_log("bfloat16", err, "torch alibi")
+        assert err <= TOLERANCE["bfloat16"]
+    check_lse(lse.cpu().numpy(), ref_lse)
+
+
+# ---------------------------------------------------------------------------- merge_states
+
+
+def _merge_inputs(rng, n, h, d):
+    o_a = rng.standard_normal((n, h, d)).astype(np.float32)
+    o_b = rng.standard_normal((n, h, d)).astype(np.float32)
+    lse_a = (3 * rng.standard_normal((n, h))).astype(np.float32)
+    lse_b = (3 * rng.standard_normal((n, h))).astype(np.float32)
+    lse_a[:5] = -np.inf  # empty on one side...
+    lse_b[5:10] = -np.inf  # ...on the other...
+    lse_a[10:12] = lse_b[10:12] = -np.inf  # ...and on both: o = 0, lse = -inf
+    o_a[:5] = np.nan  # an empty side's o is never read
+    return o_a, lse_a, o_b, lse_b
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_merge_states_matches_numpy(cp, dtype):
+    rng = np.random.default_rng(3)
+    o_a, lse_a, o_b, lse_b = _merge_inputs(rng, 37, 4, 96)
+    if dtype != "float32":
+        o_a, o_b = round_to_dtype(o_a, dtype), round_to_dtype(o_b, dtype)
+    up = (lambda x: cp.asarray(x)) if dtype == "float32" else (lambda x: to_device(cp, x, dtype))
+    o, lse = attnlang.merge_states(up(o_a), cp.asarray(lse_a), up(o_b), cp.asarray(lse_b))
+    assert isinstance(o, cp.ndarray) and o.shape == (37, 4, 96)
+    got = cp.asnumpy(o) if dtype == "float32" else from_device(cp, o, dtype)
+    ref_o, ref_lse = merge_states_reference(o_a, lse_a, o_b, lse_b)
+    assert not np.isnan(got).any() and (got[10:12] == 0).all()
+    assert rel_l2(got, ref_o) <= {"float32": 1e-6, "float16": 1e-3, "bfloat16": 8e-3}[dtype]
+    check_lse(cp.asnumpy(lse), ref_lse)
+
+
+def test_merge_states_torch(cp):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    o_a, lse_a, o_b, lse_b = _merge_inputs(rng, 20, 2, 128)
+    o_a, o_b = round_to_dtype(o_a, "bf16"), round_to_dtype(o_b, "bf16")
+    o, lse = attnlang.merge_states(
+        *(torch.from_numpy(x).cuda().to(torch.bfloat16 if x.ndim == 3 else torch.float32)
+          for x in (o_a, lse_a, o_b, lse_b)))
+    assert isinstance(o, torch.Tensor) and o.dtype == torch.bfloat16
+    ref_o, ref_lse = merge_states_reference(o_a, lse_a, o_b, lse_b)
+    assert rel_l2(o.float().cpu().numpy(), ref_o) <= 8e-3
+    check_lse(lse.cpu().numpy(), ref_lse)
+
+
+# ---------------------------------------------------------------------------- CUDA graphs
+
+
+def test_cuda_graph_replay_after_replan(cp):
+    """Capture run() once; plan() a new batch (new lengths, now with splits); replaying the
+    graph gives exactly what a plain run of the new plan gives."""
+    variant = attnlang.load(VARIANT_PATHS["softcap"])
+    dtype, hq, hkv, d, ps = "float16", 8, 2, 128, 16
+    rng = np.random.default_rng(21)
+    # One cache holding five requests; batch A uses requests 0-1, batch B requests 2-4.
+    kv = np.array([30, 7, 1800, 300, 64])
+    pool = make_batch(rng, np.zeros(5, int), kv, hq, hkv, d, ps, dtype)
+    pages = [pool.kv_indices[pool.kv_indptr[i]:pool.kv_indptr[i + 1]] for i in range(5)]
+
+    def table(requests, qo):
+        page_lists = [pages[i] for i in requests]
+        return (indptr_from_lengths(qo), indptr_from_lengths([len(p) for p in page_lists]),
+                np.concatenate(page_lists), pool.kv_last_page_len[requests])
+
+    table_a, qo_a = table([0, 1], [1, 1]), 2
+    table_b, qo_b = table([2, 3, 4], [1, 5, 1]), 7
+    q_a = round_to_dtype(rng.standard_normal((qo_a, hq, d)), dtype)
+    q_b = round_to_dtype(rng.standard_normal((qo_b, hq, d)), dtype)
+    kc, vc = to_device(cp, pool.k_cache, dtype), to_device(cp, pool.v_cache, dtype)
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, dtype, ps, max_batch_size=4,
+                                   max_total_q=16)
+    q_buf = cp.zeros((16, hq, d), dtype=np.float16)
+    out_buf = poisoned(cp, (16, hq, d), dtype)
+    lse_buf = cp.zeros((16, hq), dtype=np.float32)
+    cap = 20.0
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        assert attn.plan(*table_a).merge_count == 0
+        q_buf[:qo_a] = cp.asarray(q_a.astype(np.float16))
+        attn.run(q_buf[:qo_a], (kc, vc), {"cap": cap}, out=out_buf[:qo_a], lse=lse_buf[:qo_a])
+        stream.synchronize()
+        stream.begin_capture()
+        attn.run(q_buf[:qo_a], (kc, vc), {"cap": cap}, out=out_buf[:qo_a], lse=lse_buf[:qo_a])
+        graph = stream.end_capture()
+
+        assert attn.plan(*table_b).merge_count > 0
+        q_buf[:qo_b] = cp.asarray(q_b.astype(np.float16))
+        out_buf.fill(np.nan)
+        graph.launch(stream)
+        stream.synchronize()
+        replayed = cp.asnumpy(out_buf[:qo_b]).copy()
+        replayed_lse = cp.asnumpy(lse_buf[:qo_b]).copy()
+        plain, plain_lse = attn.run(q_buf[:qo_b], (kc, vc), {"cap": cap}, return_lse=True)
+        stream.synchronize()
+    assert not np.isnan(replayed).any()
+    assert np.array_equal(replayed.view(np.uint16), cp.asnumpy(plain).view(np.uint16))
+    assert np.array_equal(replayed_lse, cp.asnumpy(plain_lse))
+    ref, _ = attention_paged(variant, q_b, pool.k_cache, pool.v_cache, *table_b,
+                             params={"cap": cap})
+    assert rel_l2(replayed.astype(np.float32), ref) <= TOLERANCE[dtype]
+
+
+# ---------------------------------------------------------------------------- determinism
+
+
+def test_runs_and_plans_are_deterministic(cp):
+    variant = attnlang.load(VARIANT_PATHS["gemma2_local"])
+    rng = np.random.default_rng(5)
+    qo, kv = np.array([1, 30, 1, 1]), np.array([1500, 900, 3, 700])
+    batch = make_batch(rng, qo, kv, 16, 2, 128, 16, "bfloat16")
+    q, kc, vc = (to_device(cp, x, "bfloat16") for x in (batch.q, batch.k_cache, batch.v_cache))
+    attn = attnlang.BatchAttention(variant, 16, 2, 128, "bf16", 16, max_batch_size=4,
+                                   max_total_q=64, max_work_items=4096,
+                                   max_partial_rows=8192, max_merge_rows=4096)
+    first = attn.plan(*batch.table, kv_chunk_size=200)
+    assert first.merge_count > 0  # the long requests split
+    out1, lse1 = attn.run(q, (kc, vc), return_lse=True)
+    assert attn.plan(*batch.table, kv_chunk_size=200).same_as(first)
+    out2, lse2 = attn.run(q, (kc, vc), return_lse=True)
+    assert cp.array_equal(out1, out2) and cp.array_equal(lse1, lse2)
+
+
+def test_saved_module_runs_like_the_variant(cp, tmp_path):
+    from attnlang.runtime.module import compile_variant
+
+    variant = attnlang.load(VARIANT_PATHS["qk_norm"])
+    device_cc = cp.cuda.Device().compute_capability
+    arch = "sm_90a" if device_cc == "90" else f"sm_{device_cc}"
+    compile_variant(variant, head_dim=64, dtype="float16", arch=arch).save(tmp_path / "m")
+    loaded = attnlang.load_compiled(tmp_path / "m")
+    rng = np.random.default_rng(6)
+    qo, kv = np.array([1, 3]), np.array([400, 20])
+    batch = make_batch(rng, qo, kv, 4, 4, 64, 16, "float16")
+    params = make_params(variant, rng, qo, kv, 4, 4, 64)
+    q, kc, vc = (to_device(cp, x, "float16") for x in (batch.q, batch.k_cache, batch.v_cache))
+    outs = []
+    for source in (variant, loaded):
+        attn = attnlang.BatchAttention(source, 4, 4, 64, "float16", 16, max_batch_size=4,
+                                       max_total_q=16, arch=arch)
+        attn.plan(*batch.table)
+        outs.append(attn.run(q, (kc, vc), params))
+    assert cp.array_equal(outs[0], outs[1])
+    with pytest.raises(ValueError, match="float16 head_dim 64.*bfloat16 head_dim 64"):
+        attnlang.BatchAttention(loaded, 4, 4, 64, "bfloat16", 16)
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def test_bad_inputs_raise_before_any_launch(cp):
+    variant = attnlang.load(VARIANT_PATHS["alibi"])
+    rng = np.random.default_rng(8)
+    qo, kv = np.array([1, 2]), np.array([50, 20])
+    batch = make_batch(rng, qo, kv, 8, 2, 64, 16, "float16")
+    attn = attnlang.BatchAttention(variant, 8, 2, 64, "float16", 16, max_batch_size=2,
+                                   max_total_q=8)
+    q, kc, vc = (to_device(cp, x, "float16") for x in (batch.q, batch.k_cache, batch.v_cache))
+    slopes = cp.ones(8, dtype=cp.float32)
+    with pytest.raises(RuntimeError, match="call plan"):
+        attn.run(q, (kc, vc), {"slopes": slopes})
+    attn.plan(*batch.table)
+    out = poisoned(cp, q.shape, "float16")
+    bad_calls = [
+        (TypeError, "q has dtype float32", dict(q=q.astype(cp.float32))),
+        (ValueError, "q must have shape", dict(q=q[:2])),
+        (ValueError, "q must be contiguous", dict(q=cp.asfortranarray(q))),
+        (TypeError, "q must be a device array", dict(q=cp.asnumpy(q))),
+        (ValueError, "refers to page", dict(kv=(kc[:2], vc[:2]))),
+        (TypeError, "v_cache has dtype", dict(kv=(kc, vc.astype(cp.float32)))),
+        (ValueError, "missing param 'slopes'", dict(params={})),
+        (ValueError, "unknown param 'slope'.*did you mean 'slopes'",
+         dict(params={"slope": slopes})),
+        (ValueError, r"param 'slopes' \(float\[heads\]\) must have shape \(8,\)",
+         dict(params={"slopes": slopes[:4]})),
+        (TypeError, "must be a float32 device array",
+         dict(params={"slopes": slopes.astype(cp.float64)})),
+        (TypeError, "lse must be float32", dict(lse=cp.zeros((3, 8), cp.float16))),
+    ]
+    for error, match, change in bad_calls:
+        with pytest.raises(error, match=match):
+            attn.run(change.get("q", q), change.get("kv", (kc, vc)),
+                     change.get("params", {"slopes": slopes}), out=out,
+                     lse=change.get("lse"))
+    cp.cuda.get_current_stream().synchronize()
+    assert cp.isnan(out).all(), "a failed call launched a kernel"
+    # A plan that does not fit keeps the previous plan usable.
+    from attnlang.runtime.planner import CapacityError
+
+    with pytest.raises(CapacityError, match="max_batch_size"):
+        attn.plan([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [1, 1, 1])
+    attn.run(q, (kc, vc), {"slopes": slopes}, out=out)
+    assert not cp.isnan(out).any()
