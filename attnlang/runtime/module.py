@@ -205,7 +205,7 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     short = _SHORT_DTYPE[dtype]
     for kind in kinds:
         source = generate_source(variant, kind, dtype, head_dim)
-        label = f"{variant.name}/{kind} {short} d{head_dim} {arch}"
+        label = f"{variant.name}/{kind} {short} d{head_dim}"
         cubin = compile_source(source, arch, name=f"{variant.name}_{kind}.cu", label=label)
         cubins[kind] = cubin
         entries[kind] = _entry_name(kind, [f.name for f in cubin.functions], label)

@@ -80,7 +80,7 @@ def _pairs(values: tuple) -> set:
 
 
 def build_matrix() -> list[Case]:
-    """Every variant in decode and prefill; axis values chosen greedily to cover new pairs
+    """Every variant in decode and prefill in both dtypes; axis values chosen greedily to cover new pairs
     of axis values first, then extra cases (variants in turn) until every pair is covered.
     Deterministic."""
     names = list(AXES)
@@ -92,11 +92,12 @@ def build_matrix() -> list[Case]:
         rotated = pool[offset % len(pool):] + pool[:offset % len(pool)]
         return max(rotated, key=lambda c: len(_pairs(c) & uncovered))  # first best wins
 
-    mode_axis = names.index("mode")
+    mode_axis, dtype_axis = names.index("mode"), names.index("dtype")
     for n, variant in enumerate(VARIANT_IDS):
-        for m, mode in enumerate(AXES["mode"]):
+        for m, (mode, dtype) in enumerate(itertools.product(AXES["mode"], AXES["dtype"])):
             # The rotation spreads the remaining choices once every pair is covered.
-            values = pick([c for c in candidates if c[mode_axis] == mode], 23 * (2 * n + m))
+            pool = [c for c in candidates if c[mode_axis] == mode and c[dtype_axis] == dtype]
+            values = pick(pool, 23 * (4 * n + m))
             uncovered -= _pairs(values)
             chosen.append((variant, values))
     n = 0
@@ -109,8 +110,8 @@ def build_matrix() -> list[Case]:
     # What the selection promises: every pair of axis values, every variant in both modes.
     seen = set().union(*(_pairs(tuple(getattr(c, n) for n in names)) for c in cases))
     assert seen == set().union(*(_pairs(c) for c in candidates))
-    assert {(c.variant, c.mode) for c in cases} == {
-        (v, m) for v in VARIANT_IDS for m in AXES["mode"]}
+    assert {(c.variant, c.mode, c.dtype) for c in cases} == set(
+        itertools.product(VARIANT_IDS, AXES["mode"], AXES["dtype"]))
     return cases
 
 
