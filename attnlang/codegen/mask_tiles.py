@@ -1,0 +1,318 @@
+"""Mask analysis: classify a whole tile of (query, key) pairs from the variant's mask.
+
+A tile is the box q_pos in [q_lo, q_hi] x kv_pos in [kv_lo, kv_hi]. Evaluating the mask
+expression over intervals instead of numbers gives, soundly, one of
+
+    EMPTY   every pair of the tile is masked: skip the tile (no loads, no math)
+    PARTIAL some may be visible: evaluate the mask per element
+    FULL    every pair is visible: skip the per-element mask
+
+This recognises causal, sliding windows, sinks, prefix lengths and their and/or/not
+combinations without pattern matching, and stays correct (PARTIAL) on anything it cannot
+bound. The same interval semantics exist twice:
+
+- `classify_tiles` (NumPy, vectorised over many tiles) for the planner, which knows the
+  lengths but not the run-time params (they come at run()): params are unbounded there.
+- `lower_mask_tile` (C++ text) for the kernels, which know the params too: the body of
+  `variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, ix)` returning 0/1/2.
+
+Ints are exact. Float sub-expressions are bounded with a safety margin before any
+comparison (the kernel computes them in float32 with fast intrinsics), so a float boundary
+only ever costs a PARTIAL tile, never a wrong skip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from attnlang import ir
+from attnlang.ir import BOOL, FLOAT
+
+__all__ = ["EMPTY", "PARTIAL", "FULL", "TileEnv", "classify_tiles", "lower_mask_tile"]
+
+EMPTY, PARTIAL, FULL = 0, 1, 2
+_INT_TOP = 1 << 40  # bounds of an unknown int: far beyond any position or length
+_FLOAT_MARGIN_REL, _FLOAT_MARGIN_ABS = 1e-4, 1e-6
+
+
+@dataclass
+class TileEnv:
+    """What is known about a batch of tiles; arrays broadcast against each other.
+
+    q_lo..kv_hi: inclusive position bounds. batch, kv_head, qo_len, kv_len: per tile.
+    group: num_heads // num_kv_heads (the query heads of kv_head are a range).
+    """
+
+    q_lo: np.ndarray
+    q_hi: np.ndarray
+    kv_lo: np.ndarray
+    kv_hi: np.ndarray
+    batch: np.ndarray
+    kv_head: np.ndarray
+    qo_len: np.ndarray
+    kv_len: np.ndarray
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+
+
+def classify_tiles(mask: ir.Expr | None, env: TileEnv) -> np.ndarray:
+    """EMPTY/PARTIAL/FULL (int8) for every tile of env; FULL everywhere without a mask.
+
+    >>> import attnlang as al
+    >>> m = al.parse("variant c\\nmask = causal").mask
+    >>> a = lambda *x: np.array(x)
+    >>> env = TileEnv(a(0, 64), a(63, 127), a(64, 0), a(127, 63), a(0, 0), a(0, 0),
+    ...               a(128, 128), a(128, 128), 32, 8, 128)
+    >>> classify_tiles(m, env).tolist()   # tile above the diagonal, tile below it
+    [0, 2]
+    """
+    shape = np.broadcast(env.q_lo, env.q_hi, env.kv_lo, env.kv_hi, env.batch).shape
+    if mask is None:
+        return np.full(shape, FULL, np.int8)
+    tri = _NumpyIntervals(env).tri(mask)
+    return np.broadcast_to(tri, shape).astype(np.int8)
+
+
+class _NumpyIntervals:
+    """Interval evaluation over NumPy arrays: ints as int64 (lo, hi), floats as float64
+    (lo, hi), bools as tri-states (0 false, 1 unknown, 2 true)."""
+
+    def __init__(self, env: TileEnv):
+        self.env = env
+
+    def point(self, x):
+        x = np.asarray(x)
+        return x, x
+
+    def top(self, ty):
+        if ty is FLOAT:
+            return np.asarray(-np.inf), np.asarray(np.inf)
+        return np.asarray(-_INT_TOP), np.asarray(_INT_TOP)
+
+    def tri(self, e: ir.Expr) -> np.ndarray:
+        if isinstance(e, ir.Const):
+            return np.asarray(FULL if e.value else EMPTY, np.int8)
+        if isinstance(e, ir.Unary):  # not
+            return 2 - self.tri(e.x)
+        if isinstance(e, ir.Binary) and e.op in ("and", "or"):
+            a, b = self.tri(e.a), self.tri(e.b)
+            return np.minimum(a, b) if e.op == "and" else np.maximum(a, b)
+        if isinstance(e, ir.Binary):  # comparison
+            if e.a.type is BOOL:
+                a, b = self.tri(e.a), self.tri(e.b)
+                known = (a != PARTIAL) & (b != PARTIAL)
+                same = np.where(known, np.where(a == b, FULL, EMPTY), PARTIAL)
+                return same if e.op == "==" else 2 - same
+            return _compare(e.op, self.iv(e.a), self.iv(e.b), e.a.type is FLOAT)
+        if isinstance(e, ir.Call) and e.fn == "where":
+            c, a, b = self.tri(e.args[0]), self.tri(e.args[1]), self.tri(e.args[2])
+            either = np.where(a == b, a, PARTIAL)
+            return np.where(c == FULL, a, np.where(c == EMPTY, b, either)).astype(np.int8)
+        return np.asarray(PARTIAL, np.int8)  # a bool param or anything unforeseen
+
+    def iv(self, e: ir.Expr):
+        env = self.env
+        if isinstance(e, ir.Const):
+            return self.point(e.value)
+        if isinstance(e, ir.Var):
+            if e.name == "q_pos":
+                return env.q_lo, env.q_hi
+            if e.name == "kv_pos":
+                return env.kv_lo, env.kv_hi
+            if e.name == "head":
+                group = env.num_heads // env.num_kv_heads
+                return env.kv_head * group, env.kv_head * group + group - 1
+            known = {"batch": env.batch, "kv_head": env.kv_head, "qo_len": env.qo_len,
+                     "kv_len": env.kv_len, "num_heads": env.num_heads,
+                     "num_kv_heads": env.num_kv_heads, "head_dim": env.head_dim}
+            if e.name in known:
+                return self.point(known[e.name])
+            return self.top(e.type)  # sm_scale: a run-time float
+        if isinstance(e, (ir.Param, ir.ParamIndex)):
+            return self.top(e.type)  # params are known only at run()
+        if isinstance(e, ir.Cast):
+            lo, hi = self.iv(e.x)
+            return lo.astype(np.float64), hi.astype(np.float64)
+        if isinstance(e, ir.Unary):
+            lo, hi = self.iv(e.x)
+            return -hi, -lo
+        if isinstance(e, ir.Binary):
+            return _arith(e.op, self.iv(e.a), self.iv(e.b), e.type, self.top(e.type))
+        if isinstance(e, ir.Call):
+            return self.call(e)
+        return self.top(e.type)
+
+    def call(self, e: ir.Call):
+        if e.fn == "where":
+            c = self.tri(e.args[0])
+            (alo, ahi), (blo, bhi) = self.iv(e.args[1]), self.iv(e.args[2])
+            lo = np.where(c == FULL, alo, np.where(c == EMPTY, blo, np.minimum(alo, blo)))
+            hi = np.where(c == FULL, ahi, np.where(c == EMPTY, bhi, np.maximum(ahi, bhi)))
+            return lo, hi
+        args = [self.iv(a) for a in e.args]
+        if e.fn in ("min", "max"):
+            f = np.minimum if e.fn == "min" else np.maximum
+            return f(args[0][0], args[1][0]), f(args[0][1], args[1][1])
+        if e.fn == "clamp":
+            (xlo, xhi), (llo, lhi), (hlo, hhi) = args
+            return np.minimum(np.maximum(xlo, llo), hhi), np.minimum(np.maximum(xhi, lhi), hhi)
+        if e.fn == "abs":
+            lo, hi = args[0]
+            straddles = (lo < 0) & (hi > 0)
+            return (np.where(straddles, 0, np.minimum(abs(lo), abs(hi))),
+                    np.maximum(abs(lo), abs(hi)))
+        if e.fn in _MONOTONE_UP:
+            lo, hi = args[0]
+            with np.errstate(all="ignore"):
+                return _MONOTONE_UP[e.fn](lo), _MONOTONE_UP[e.fn](hi)
+        return self.top(e.type)
+
+
+_MONOTONE_UP = {
+    "floor": np.floor, "ceil": np.ceil, "exp": np.exp, "exp2": np.exp2, "tanh": np.tanh,
+    "sigmoid": lambda x: 1.0 / (1.0 + np.exp(-x)), "softplus": lambda x: np.logaddexp(0.0, x),
+}
+
+
+def _arith(op, a, b, ty, top):
+    (alo, ahi), (blo, bhi) = a, b
+    if op == "+":
+        return alo + blo, ahi + bhi
+    if op == "-":
+        return alo - bhi, ahi - blo
+    if op == "*":
+        with np.errstate(all="ignore"):
+            corners = np.stack(np.broadcast_arrays(alo * blo, alo * bhi, ahi * blo, ahi * bhi))
+        if ty is FLOAT:
+            corners = np.where(np.isnan(corners), np.inf, corners)  # 0 * inf: unbounded
+            lo = np.where(np.isinf(corners).any(0), -np.inf, corners.min(0))
+            return lo, np.where(np.isinf(corners).any(0), np.inf, corners.max(0))
+        return np.clip(corners.min(0), -_INT_TOP, _INT_TOP), np.clip(corners.max(0), -_INT_TOP,
+                                                                    _INT_TOP)
+    if op == "/" and ty is not FLOAT:
+        # Truncating division by a known nonzero divisor is monotone in the dividend.
+        point = (blo == bhi) & (blo != 0)
+        c = np.where(point, blo, 1)
+        q1, q2 = np.trunc(alo / c).astype(np.int64), np.trunc(ahi / c).astype(np.int64)
+        zero = (blo == bhi) & (blo == 0)  # run-time division by zero yields 0
+        lo = np.where(point, np.minimum(q1, q2), np.where(zero, 0, top[0]))
+        hi = np.where(point, np.maximum(q1, q2), np.where(zero, 0, top[1]))
+        return lo, hi
+    if op == "/":
+        positive, negative = blo > 0, bhi < 0
+        with np.errstate(all="ignore"):
+            corners = np.stack(np.broadcast_arrays(alo / blo, alo / bhi, ahi / blo, ahi / bhi))
+        ok = (positive | negative) & ~np.isnan(corners).any(0)
+        return np.where(ok, corners.min(0), -np.inf), np.where(ok, corners.max(0), np.inf)
+    if op == "%" and ty is not FLOAT:
+        # |x % c| < |c| and x % c has the sign of x (C semantics).
+        point = (blo == bhi) & (blo != 0)
+        m = np.where(point, np.abs(blo) - 1, _INT_TOP)
+        lo = np.where(alo >= 0, 0, -m)
+        hi = np.where(ahi <= 0, 0, m)
+        inside = point & (alo >= 0) & (ahi <= m)  # already reduced: identity
+        return np.where(inside, alo, lo), np.where(inside, ahi, hi)
+    return top
+
+
+def _compare(op, a, b, is_float):
+    (alo, ahi), (blo, bhi) = a, b
+    if is_float:  # widen: the kernel computes floats in float32 with fast intrinsics
+        margin = lambda lo, hi: _FLOAT_MARGIN_REL * np.maximum(abs(lo), abs(hi)) + _FLOAT_MARGIN_ABS  # noqa: E731
+        with np.errstate(all="ignore"):
+            ma, mb = margin(alo, ahi), margin(blo, bhi)
+            alo, ahi, blo, bhi = alo - ma, ahi + ma, blo - mb, bhi + mb
+    if op in (">", ">="):
+        (alo, ahi), (blo, bhi), op = (blo, bhi), (alo, ahi), {">": "<", ">=": "<="}[op]
+    if op == "<":
+        out = np.where(ahi < blo, FULL, np.where(alo >= bhi, EMPTY, PARTIAL))
+    elif op == "<=":
+        out = np.where(ahi <= blo, FULL, np.where(alo > bhi, EMPTY, PARTIAL))
+    else:
+        disjoint = (ahi < blo) | (bhi < alo)
+        same_point = (alo == ahi) & (blo == bhi) & (alo == blo) & (not is_float)
+        eq = np.where(same_point, FULL, np.where(disjoint, EMPTY, PARTIAL))
+        out = eq if op == "==" else 2 - eq
+    nan = np.isnan(np.stack(np.broadcast_arrays(alo, ahi, blo, bhi)).astype(np.float64)).any(0)
+    return np.where(nan, PARTIAL, out).astype(np.int8)
+
+
+# ---- C++ ------------------------------------------------------------------------------------
+
+# Interval helpers used by the lowered body (kernels_templates/mask_tiles.cuh defines them).
+_CPP_ARITH = {"+": "iv_add", "-": "iv_sub", "*": "iv_mul", "/": "iv_div", "%": "iv_mod"}
+_CPP_CMP = {"<": "tri_lt", "<=": "tri_le", ">": "tri_gt", ">=": "tri_ge", "==": "tri_eq",
+            "!=": "tri_ne"}
+_CPP_VAR = {"batch": "ix.batch", "kv_head": "ix.kv_head", "qo_len": "ix.qo_len",
+            "kv_len": "ix.kv_len", "num_heads": "ix.num_heads",
+            "num_kv_heads": "ix.num_kv_heads", "head_dim": "kHeadDim", "sm_scale": "ix.sm_scale"}
+
+
+def lower_mask_tile(mask: ir.Expr | None, literal) -> str:
+    """C++ expression (an int: 0 EMPTY, 1 PARTIAL, 2 FULL) classifying the tile whose bounds
+    are the variables q_lo, q_hi, kv_lo, kv_hi, given `p` (Params) and `ix` (Index).
+
+    `literal(const)` renders an ir.Const as C++ (the lowering's own literal rule).
+    """
+    if mask is None:
+        return "2"
+    return _CppIntervals(literal).tri(mask)
+
+
+class _CppIntervals:
+    def __init__(self, literal):
+        self.literal = literal
+
+    def tri(self, e: ir.Expr) -> str:
+        if isinstance(e, ir.Const):
+            return "2" if e.value else "0"
+        if isinstance(e, ir.Unary):
+            return f"(2 - {self.tri(e.x)})"
+        if isinstance(e, ir.Binary) and e.op in ("and", "or"):
+            f = "tri_and" if e.op == "and" else "tri_or"
+            return f"{f}({self.tri(e.a)}, {self.tri(e.b)})"
+        if isinstance(e, ir.Binary):
+            if e.a.type is BOOL:
+                fn = "tri_same" if e.op == "==" else "tri_differ"
+                return f"{fn}({self.tri(e.a)}, {self.tri(e.b)})"
+            return f"{_CPP_CMP[e.op]}({self.iv(e.a)}, {self.iv(e.b)})"
+        if isinstance(e, ir.Call) and e.fn == "where":
+            c, a, b = (self.tri(x) for x in e.args)
+            return f"tri_where({c}, {a}, {b})"
+        return "1"
+
+    def iv(self, e: ir.Expr) -> str:
+        kind = "IvF" if e.type is FLOAT else "IvI"
+        if isinstance(e, ir.Const):
+            return f"{kind}::point({self.literal(e)})"
+        if isinstance(e, ir.Var):
+            if e.name == "q_pos":
+                return "IvI{q_lo, q_hi}"
+            if e.name == "kv_pos":
+                return "IvI{kv_lo, kv_hi}"
+            if e.name == "head":
+                return "heads_of(ix)"
+            return f"{kind}::point({_CPP_VAR[e.name]})"
+        if isinstance(e, ir.Param):
+            return f"{kind}::point(p.{e.name})"
+        if isinstance(e, ir.ParamIndex):
+            if e.index == "head":  # the tile's rows span the query heads of one kv_head
+                return f"{kind}::top()"
+            return f"{kind}::point(p.{e.name}[ix.{e.index}])"
+        if isinstance(e, ir.Cast):
+            return f"to_float({self.iv(e.x)})"
+        if isinstance(e, ir.Unary):
+            return f"iv_neg({self.iv(e.x)})"
+        if isinstance(e, ir.Binary) and e.op in _CPP_ARITH:
+            return f"{_CPP_ARITH[e.op]}({self.iv(e.a)}, {self.iv(e.b)})"
+        if isinstance(e, ir.Call):
+            if e.fn == "where":
+                c, a, b = self.tri(e.args[0]), self.iv(e.args[1]), self.iv(e.args[2])
+                return f"iv_where({c}, {a}, {b})"
+            if e.fn in ("min", "max", "abs", "clamp") or e.fn in _MONOTONE_UP:
+                args = ", ".join(self.iv(a) for a in e.args)
+                return f"iv_{e.fn}({args})"
+        return f"{kind}::top()"
