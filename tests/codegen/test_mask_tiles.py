@@ -15,7 +15,14 @@ import pytest
 
 import attnlang as al
 from attnlang import ir, reference
-from attnlang.codegen.mask_tiles import EMPTY, FULL, PARTIAL, TileEnv, classify_tiles, lower_mask_tile
+from attnlang.codegen.mask_tiles import (
+    EMPTY,
+    FULL,
+    PARTIAL,
+    TileEnv,
+    classify_tiles,
+    lower_mask_tile,
+)
 from attnlang.paths import templates_dir
 from tests.variant_files import VARIANT_FILES
 
