@@ -18,6 +18,15 @@ namespace mask_tiles {
 
 constexpr long long kIntTop = 1LL << 40;  // bound of an unknown int: beyond any length
 
+// +inf on the device (NVRTC has no __builtin_huge_valf) and on the host (the CPU tests).
+ATTNLANG_HD float infinity() {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(0x7f800000u);
+#else
+  return __builtin_huge_valf();
+#endif
+}
+
 struct IvI {
   long long lo, hi;
   ATTNLANG_HD static IvI point(long long x) { return {x, x}; }
@@ -27,7 +36,7 @@ struct IvI {
 struct IvF {
   float lo, hi;
   ATTNLANG_HD static IvF point(float x) { return {x, x}; }
-  ATTNLANG_HD static IvF top() { return {-__builtin_huge_valf(), __builtin_huge_valf()}; }
+  ATTNLANG_HD static IvF top() { return {-infinity(), infinity()}; }
 };
 
 ATTNLANG_HD long long mn(long long a, long long b) { return a < b ? a : b; }

@@ -1,0 +1,194 @@
+"""The one place that knows each kernel template's thread layout and tile sizes.
+
+`render` splices `template_shape(kind, head_dim, dtype)` into the template as literal
+constants; the runtime calls `launch_config(kind, head_dim, group_size, dtype)` to plan
+(rows per work item, KV tile) and to launch (block dims, dynamic shared memory). Both derive
+from the same constants below, so a template and its launches cannot disagree.
+
+decode (kernels_templates/decode.cu.j2), block (TX, R, TZ):
+
+    x  TX = head_dim / VEC lanes hold one row (VEC = 16 bytes / sizeof(T) = 8 elements each)
+    y  R  fused (query, group member) rows of one request and KV head (a work item)
+    z  TZ groups of threads splitting each KV tile's keys; merged through shared memory
+
+  KV tiles of `kv_tile` keys stream through a `stages`-deep cp.async pipeline in dynamic
+  shared memory (K and V: stages * kv_tile * head_dim * sizeof(T) each). One compiled
+  kernel serves every R and TZ (read from blockDim), so group size is a launch choice.
+
+merge (kernels_templates/merge.cu.j2), block (TX, ROWS, 1): one TX-lane group per merge row,
+grid-stride over rows; no shared memory.
+
+prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS, 1, 1): tensor cores (mma.sync
+m16n8k16), each warp owns 16 fused rows, so a work item covers R = 16 * WARPS rows (64). KV
+tiles of `kv_tile` keys per head_dim (`_PREFILL_SHAPE`: 128 / 64 / 32 keys for head_dim
+64 / 128 / 256, the most the registers hold without spills: Q, O and S fragments take
+head_dim/4 + head_dim/2 + kv_tile/2 registers per lane) stream through a `stages`-deep
+cp.async ring; shared memory = K and V stages plus the [R][head_dim] Q tile.
+"""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass
+
+__all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "TemplateShape", "LaunchConfig", "template_shape",
+           "launch_config", "dtype_ctype", "STATIC_SMEM_LIMIT"]
+
+KINDS = ("decode", "prefill", "merge")
+# dtype name -> (C type, bytes)
+DTYPES = {"float16": ("half", 2), "bfloat16": ("__nv_bfloat16", 2)}
+HEAD_DIMS = (64, 128, 256)
+# Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
+STATIC_SMEM_LIMIT = 48 * 1024
+
+_VEC_BYTES = 16  # one 16-byte vector access per lane
+_MAX_THREADS = 256  # __launch_bounds__ of the decode kernel: at most this many threads
+# ... and at least this many such CTAs per SM: caps registers at 65536 / (256 * 2) = 128.
+# Without it, ptxas aims at a lower register target of its own and spills on some variants.
+_MIN_BLOCKS = 2
+_MIN_THREADS = 128  # TZ grows until a CTA has at least this many threads
+_MAX_ROWS = 16  # largest R: beyond it a group's rows are split over several work items
+_STAGES = 2  # cp.async pipeline depth of the decode kernel
+_TILE_BYTES = 16 * 1024  # K + V bytes of one pipeline stage
+_CHUNK = 4  # keys per online-softmax update (amortises the o rescale)
+_MERGE_THREADS = 128
+# prefill: warps per CTA (16 fused rows each) and, per head_dim, (KV tile keys, pipeline
+# stages, CTAs per SM for __launch_bounds__). Two CTAs of 4 warps per SM: a register cap of
+# 255, 72-96 KB of shared memory each.
+_PREFILL_WARPS = 4
+_PREFILL_SHAPE = {64: (128, 2, 2), 128: (64, 2, 2), 256: (32, 2, 2)}
+
+
+@dataclass(frozen=True)
+class TemplateShape:
+    """Compile-time constants of one kernel template instance (spliced as literals).
+
+    Example: decode, head_dim 128, bf16 -> vec=8, tx=16, kv_tile=32, stages=2, chunk=4,
+    max_threads=256, min_blocks=2.
+    """
+
+    kind: str
+    dtype: str
+    ctype: str  # C element type: half | __nv_bfloat16
+    head_dim: int
+    vec: int  # elements per lane
+    tx: int  # lanes per row
+    kv_tile: int  # keys per pipeline stage (decode), 0 for merge
+    stages: int  # pipeline depth (decode), 0 for merge
+    chunk: int  # keys per softmax update (decode), 0 for merge
+    max_threads: int  # __launch_bounds__: most threads per CTA
+    min_blocks: int  # __launch_bounds__: CTAs of max_threads per SM (a register cap)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """How to launch one kernel kind.
+
+    block: (x, y, z) thread block. rows_per_tile: fused rows per work item R (decode; the
+    planner cuts each request's rows into tiles of R) or merge rows per CTA pass (merge).
+    smem_bytes: dynamic shared memory per CTA. kv_tile: keys per pipeline stage (decode; KV
+    chunks that are multiples of it waste no tile slots), 0 for merge.
+
+    Example: ``launch_config("decode", 128, 4)`` -> block (16, 4, 2), rows_per_tile 4,
+    smem_bytes 32768, kv_tile 32.
+    """
+
+    block: tuple[int, int, int]
+    rows_per_tile: int
+    smem_bytes: int
+    kv_tile: int
+
+    @property
+    def threads(self) -> int:
+        return self.block[0] * self.block[1] * self.block[2]
+
+    @property
+    def needs_smem_opt_in(self) -> bool:
+        """True when smem_bytes exceeds 48 KiB: set the function's
+        MAX_DYNAMIC_SHARED_SIZE_BYTES attribute before launching."""
+        return self.smem_bytes > STATIC_SMEM_LIMIT
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+def _check(kind: str, head_dim: int, dtype: str) -> None:
+    if kind not in KINDS:
+        raise ValueError(f"unknown kernel kind {kind!r}: expected one of {', '.join(KINDS)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    if not _is_int(head_dim) or head_dim not in HEAD_DIMS:
+        raise ValueError(f"unsupported head_dim {head_dim!r}: expected one of "
+                         f"{', '.join(map(str, HEAD_DIMS))}")
+
+
+def dtype_ctype(dtype: str) -> str:
+    """The C element type of a dtype name: "bfloat16" -> "__nv_bfloat16"."""
+    if dtype not in DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+    return DTYPES[dtype][0]
+
+
+def template_shape(kind: str, head_dim: int, dtype: str) -> TemplateShape:
+    """The compile-time constants of `kind` for (head_dim, dtype). Raises ValueError."""
+    _check(kind, head_dim, dtype)
+    head_dim = int(head_dim)
+    ctype, size = DTYPES[dtype]
+    vec = _VEC_BYTES // size
+    tx = head_dim // vec
+    if kind == "merge":
+        return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, 0, 0, 0, _MERGE_THREADS, 1)
+    if kind == "prefill":
+        kv_tile, stages, min_blocks = _PREFILL_SHAPE[head_dim]
+        return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, kv_tile, stages, 0,
+                             32 * _PREFILL_WARPS, min_blocks)
+    kv_tile = _TILE_BYTES // (2 * head_dim * size)
+    # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
+    # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
+    assert kv_tile >= _MAX_THREADS // tx and kv_tile // _CHUNK >= _MIN_THREADS // tx
+    return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, kv_tile, _STAGES, _CHUNK,
+                         _MAX_THREADS, _MIN_BLOCKS)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+def launch_config(kind: str, head_dim: int, group_size: int,
+                  dtype: str = "bfloat16") -> LaunchConfig:
+    """Block, rows per work item, dynamic shared memory and KV tile of a launch.
+
+    group_size: query heads per KV head. The decode kernel fuses a work item's rows over the
+    group; R = group_size rounded up to a power of two (at most 16, and at most
+    256 / TX), so a decode step's whole group shares each KV tile. Raises ValueError.
+
+    >>> launch_config("decode", 128, 4)
+    LaunchConfig(block=(16, 4, 2), rows_per_tile=4, smem_bytes=32768, kv_tile=32)
+    >>> launch_config("merge", 128, 4)
+    LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=0, kv_tile=0)
+    >>> launch_config("prefill", 128, 4)
+    LaunchConfig(block=(128, 1, 1), rows_per_tile=64, smem_bytes=81920, kv_tile=64)
+
+    The prefill kernel's rows do not depend on group_size: its R fused rows cover R / group
+    queries of every head of the group.
+    """
+    shape = template_shape(kind, head_dim, dtype)
+    if not _is_int(group_size) or group_size < 1:
+        raise ValueError(f"group_size must be a positive int, got {group_size!r}")
+    group_size, head_dim = int(group_size), int(head_dim)
+    if kind == "merge":
+        rows = shape.max_threads // shape.tx
+        return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
+    if kind == "prefill":
+        size = DTYPES[dtype][1]
+        rows = 16 * (shape.max_threads // 32)
+        stages = 2 * shape.stages * shape.kv_tile * head_dim * size  # K and V stages
+        return LaunchConfig((shape.max_threads, 1, 1), rows, stages + rows * head_dim * size,
+                            shape.kv_tile)
+    rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)
+    tz = max(1, _MIN_THREADS // (shape.tx * rows))
+    size = DTYPES[dtype][1]
+    pipeline = 2 * shape.stages * shape.kv_tile * head_dim * size  # K and V stages
+    merge = rows * tz * (head_dim + 2) * 4  # TZ partial states (o, m, d), aliases the pipeline
+    return LaunchConfig((shape.tx, rows, tz), rows, max(pipeline, merge), shape.kv_tile)

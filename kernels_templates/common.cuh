@@ -1,0 +1,464 @@
+// ============================================================================================
+// attnlang common device code, spliced into every kernel source by a Jinja include: the
+// rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
+//
+// Symbols defined here (namespace attnlang):
+//   Index                    what a hook may read besides its input (INTERNALS.md)
+//   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   neg_inf()                -inf
+//   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
+//   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
+//   ilog2(n)                 floor(log2 n), constexpr
+//   imin imax iabs           int min / max / abs
+//   ex2_approx tanh_approx   MUFU ex2.approx.ftz.f32 / tanh.approx.f32 (inline PTX)
+//   sigmoid softplus         built from the fast exp (LANGUAGE.md section 7)
+//   group_mask<TX>()         the warp lanes of the calling thread's TX-lane row group
+//   group_allreduce<TX>(v,op)  butterfly over the TX lanes of the group (every lane gets it)
+//   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
+//   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
+//   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
+//   cp_async_16, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
+//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
+//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
+//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
+//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
+//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
+//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
+//
+// Row groups: a head vector of kHeadDim elements lives in TX consecutive lanes of one warp
+// (TX a power of two <= 32, so the group is aligned), VEC consecutive elements per lane:
+// lane `tx` of the group holds elements [dim0, dim0 + VEC), dim0 = tx * VEC. Shuffles name
+// only the group's lanes, so a group may call a hook while the rest of the warp does not.
+// ============================================================================================
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+
+namespace attnlang {
+
+// Everything a hook may read besides its own input; built by the kernel per row / key.
+// Fields a stage cannot see (LANGUAGE.md section 4) hold -1.
+struct Index {
+  int batch, head, kv_head, qo_len, kv_len, q_pos, kv_pos;
+  int num_heads, num_kv_heads;
+  float sm_scale;
+};
+
+inline constexpr float kLog2e = 1.4426950408889634f;
+inline constexpr float kLn2 = 0.6931471805599453f;
+
+__device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
+
+__device__ __forceinline__ int ceil_div(int a, int b) { return (a + b - 1) / b; }
+
+// floor(log2(n)) for n >= 1, at compile time.
+__host__ __device__ constexpr int ilog2(int n) { return n > 1 ? 1 + ilog2(n / 2) : 0; }
+
+__device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+__device__ __forceinline__ int iabs(int a) { return a < 0 ? -a : a; }
+
+// Length of request `batch`'s KV sequence: full pages plus the last page's valid tokens.
+__device__ __forceinline__ int request_kv_len(const int* kv_indptr, const int* kv_last_page_len,
+                                              const int batch, const int page_size) {
+  const int num_pages = kv_indptr[batch + 1] - kv_indptr[batch];
+  return num_pages > 0 ? (num_pages - 1) * page_size + kv_last_page_len[batch] : 0;
+}
+
+// ---------------------------------------------------------------------------- fast math
+
+// 2^x on the MUFU unit; ex2_approx(-inf) = +0, which the online softmax relies on.
+__device__ __forceinline__ float ex2_approx(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ float tanh_approx(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1 / (1 + e^-x); e^-x overflows to inf for x << 0 and 1 / inf = 0, the right limit.
+__device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + __expf(-x)); }
+
+// log(1 + e^x) = max(x, 0) + log1p(e^-|x|): no overflow, accurate for x << 0 too.
+__device__ __forceinline__ float softplus(float x) {
+  return fmaxf(x, 0.0f) + log1pf(__expf(-fabsf(x)));
+}
+
+// ---------------------------------------------------------------------------- row groups
+
+// The warp lanes of the calling thread's group of TX lanes.
+template <int TX>
+__device__ __forceinline__ unsigned group_mask() {
+  static_assert(TX >= 1 && TX <= 32 && (TX & (TX - 1)) == 0, "TX: a power of two <= 32");
+  if constexpr (TX == 32) {
+    return 0xffffffffu;
+  } else {
+    unsigned lane;
+    asm("mov.u32 %0, %%laneid;" : "=r"(lane));
+    const unsigned group_first_lane = lane & ~unsigned(TX - 1);
+    return ((1u << TX) - 1u) << group_first_lane;
+  }
+}
+
+struct SumOp { __device__ __forceinline__ float operator()(float a, float b) const { return a + b; } };
+struct MaxOp { __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); } };
+struct MinOp { __device__ __forceinline__ float operator()(float a, float b) const { return fminf(a, b); } };
+
+// Butterfly over the TX lanes of the group: at each step lane l combines with l ^ offset,
+// so every lane ends with the same, bitwise identical value (op is commutative).
+template <int TX, typename Op>
+__device__ __forceinline__ float group_allreduce(float v, Op op) {
+  const unsigned mask = group_mask<TX>();
+#pragma unroll
+  for (int offset = TX / 2; offset >= 1; offset /= 2) {
+    v = op(v, __shfl_xor_sync(mask, v, offset, TX));
+  }
+  return v;
+}
+
+template <int VEC, int TX, typename Op>
+__device__ __forceinline__ float group_reduce(const float (&t)[VEC], Op op) {
+  float lane_value = t[0];
+#pragma unroll
+  for (int i = 1; i < VEC; ++i) lane_value = op(lane_value, t[i]);
+  return group_allreduce<TX>(lane_value, op);
+}
+
+template <int VEC, int TX>
+__device__ __forceinline__ float group_sum(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, SumOp{}); }
+template <int VEC, int TX>
+__device__ __forceinline__ float group_mean(const float (&t)[VEC]) {
+  // VEC * TX = head_dim, a power of two: the reciprocal is exact.
+  return group_reduce<VEC, TX>(t, SumOp{}) * (1.0f / float(VEC * TX));
+}
+template <int VEC, int TX>
+__device__ __forceinline__ float group_max(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, MaxOp{}); }
+template <int VEC, int TX>
+__device__ __forceinline__ float group_min(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, MinOp{}); }
+
+// ---------------------------------------------------------------------------- rope
+//
+// angle(j) = pos * theta^(-2 j / head_dim) for frequency index j. Positions reach 1e5 and
+// more, where a float32 angle is off by ~1e-2 rad and fast sin/cos are useless. So the
+// angle is reduced exactly in turns: g = theta^(-2j/D) / (2 pi) is computed in double and
+// split into float hi + lo; pos * g = hi_prod + err + pos * lo (err exact by fma); its
+// fractional part f in [-1/2, 1/2] is exact to ~1e-7 turns, and __sincosf(2 pi f) is
+// accurate (|arg| <= pi): ~1e-6 rad at any position below 2^24.
+//
+// g depends only on (theta, the lane's elements), not on pos. It is computed with the
+// branch-free double helpers below (pure arithmetic and bit operations: no libdevice call,
+// no branch), so when theta is a literal or a kernel param the compiler can hoist it out
+// of the kernels' loops, and the per-call cost is a few float ops and two MUFU ops per
+// element.
+
+// The helpers below use plain operators, not fma() (an intrinsic that NVVM neither folds nor
+// hoists; the compiler still contracts a * b + c into FMAs), and memcpy bit casts (plain
+// LLVM bitcasts), so that they fold for literal inputs and hoist out of loops.
+__device__ __forceinline__ long long double_bits(const double x) {
+  long long bits;
+  memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+__device__ __forceinline__ double bits_double(const long long bits) {
+  double x;
+  memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
+// 1 / d for d in [1 + sqrt(1/2), 1 + sqrt(2)]: minimax linear seed (1.5% error), then four
+// Newton steps (error squares each step: 2e-4, 5e-8, 3e-15, rounding).
+__device__ __forceinline__ double rcp_on_log_range(const double d) {
+  double r = 0.9850615 - 0.239016 * d;
+  #pragma unroll
+  for (int step = 0; step < 4; ++step) r = r + r * (1.0 - d * r);
+  return r;
+}
+
+// log2(x) for normal x > 0, branch-free, ~2e-16 absolute error.
+// x = 2^e * m, m in [sqrt(1/2), sqrt(2)); ln m = 2 atanh(u), u = (m - 1) / (m + 1), |u| <= 0.172.
+__device__ __forceinline__ double log2_pure(const double x) {
+  const long long bits = double_bits(x);
+  int e = static_cast<int>((bits >> 52) & 0x7ff) - 1023;
+  double m = bits_double((bits & 0x000fffffffffffffLL) | 0x3ff0000000000000LL);
+  const bool above = m > 1.4142135623730951;
+  m = above ? 0.5 * m : m;
+  e += above ? 1 : 0;
+  const double u = (m - 1.0) * rcp_on_log_range(m + 1.0);
+  const double w = u * u;  // <= 0.0295: 12 terms of atanh(u) / u = sum w^k / (2k + 1)
+  double series = 1.0 / 23.0;
+  #pragma unroll
+  for (int k = 10; k >= 0; --k) series = series * w + 1.0 / (2 * k + 1);
+  const double ln_m = 2.0 * u * series;
+  return static_cast<double>(e) + ln_m * 1.4426950408889634074;  // log2(e)
+}
+
+// 2^y for |y| < 1000, branch-free, ~2e-16 relative error.
+// y = n + f, n = rint(y), |f| <= 1/2; 2^f = e^t, t = f ln 2, by its Taylor series to t^13.
+__device__ __forceinline__ double exp2_pure(const double y) {
+  constexpr double kRoundMagic = 6755399441055744.0;  // 1.5 * 2^52: (y + C) - C = rint(y)
+  const double n = (y + kRoundMagic) - kRoundMagic;
+  const double t = (y - n) * 0.69314718055994530942;
+  double series = 1.0 / 6227020800.0;  // 1 / 13!
+  double inv_factorial = 1.0 / 6227020800.0;
+  #pragma unroll
+  for (int k = 13; k >= 1; --k) {
+    inv_factorial *= k;  // 1 / (k - 1)!
+    series = series * t + inv_factorial;
+  }
+  return bits_double(double_bits(series) + (static_cast<long long>(n) << 52));
+}
+
+// The fractional turns of pos * (g_hi + g_lo), in [-0.5, 0.5].
+__device__ __forceinline__ float rope_turns(const int pos, const float g_hi, const float g_lo) {
+  const float p = static_cast<float>(pos);            // exact for |pos| < 2^24
+  const float prod = p * g_hi;
+  const float prod_err = fmaf(p, g_hi, -prod);        // p * g_hi - prod, exactly
+  const float whole_turns = rintf(prod);
+  return (prod - whole_turns) + (prod_err + p * g_lo);  // prod - rint(prod) is exact
+}
+
+// cos/sin of pos * theta^(-2 j / head_dim) for j = j0 + k, k < N (0 <= j0 < head_dim / 2).
+template <int N, int kHeadDimRope>
+__device__ __forceinline__ void rope_cos_sin(const int j0, const int pos, const float theta,
+                                             float (&cos_out)[N], float (&sin_out)[N]) {
+  constexpr double kInvTwoPi = 0.15915494309189533577;
+  // inv_freq(j) = 2^(j * y), y = -2 / D * log2(theta); successive j differ by 2^y.
+  const double y = -2.0 / kHeadDimRope * log2_pure(static_cast<double>(theta));
+  const double ratio = exp2_pure(y);
+  double turns_per_pos = exp2_pure(j0 * y) * kInvTwoPi;  // turns per position, j = j0
+#pragma unroll
+  for (int k = 0; k < N; ++k) {
+    const float g_hi = static_cast<float>(turns_per_pos);
+    const float g_lo = static_cast<float>(turns_per_pos - static_cast<double>(g_hi));
+    const float angle = 6.283185307179586f * rope_turns(pos, g_hi, g_lo);  // |angle| <= pi
+    __sincosf(angle, &sin_out[k], &cos_out[k]);
+    turns_per_pos *= ratio;
+  }
+}
+
+// Rotate-half (NeoX / Llama): pairs (d, d + D/2). Element d + D/2 of a row sits in lane
+// tx ^ (TX/2) of the group at the same register index, since D/2 = (TX/2) * VEC.
+//   d <  D/2: out_d = x_d cos(a_j) - x_{d+D/2} sin(a_j)      j = d mod D/2
+//   d >= D/2: out_d = x_d cos(a_j) + x_{d-D/2} sin(a_j)
+template <int VEC, int TX>
+__device__ __forceinline__ void rope_rotate_half(float (&out)[VEC], const float (&x)[VEC],
+                                                 const int dim0, const int pos, const float theta) {
+  static_assert(TX >= 2, "rotate-half rope needs the row spread over >= 2 lanes");
+  constexpr int kHalf = VEC * TX / 2;
+  const unsigned mask = group_mask<TX>();
+  const bool first_half = dim0 < kHalf;
+  const int j0 = first_half ? dim0 : dim0 - kHalf;  // frequency index of element dim0
+  float c[VEC], s[VEC];
+  rope_cos_sin<VEC, VEC * TX>(j0, pos, theta, c, s);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    const float partner = __shfl_xor_sync(mask, x[i], TX / 2, TX);
+    out[i] = first_half ? x[i] * c[i] - partner * s[i] : x[i] * c[i] + partner * s[i];
+  }
+}
+
+// Interleaved (GPT-J): pairs (2j, 2j + 1) in the same lane (dim0 and VEC are even).
+//   out_{2j} = x_{2j} cos(a_j) - x_{2j+1} sin(a_j);  out_{2j+1} = x_{2j+1} cos(a_j) + x_{2j} sin(a_j)
+template <int VEC, int TX>
+__device__ __forceinline__ void rope_interleaved(float (&out)[VEC], const float (&x)[VEC],
+                                                 const int dim0, const int pos, const float theta) {
+  static_assert(VEC % 2 == 0, "interleaved rope needs pairs within a lane");
+  constexpr int kPairs = VEC / 2;
+  float c[kPairs], s[kPairs];
+  rope_cos_sin<kPairs, VEC * TX>(dim0 / 2, pos, theta, c, s);
+#pragma unroll
+  for (int k = 0; k < kPairs; ++k) {
+    const float even = x[2 * k], odd = x[2 * k + 1];
+    out[2 * k] = even * c[k] - odd * s[k];
+    out[2 * k + 1] = odd * c[k] + even * s[k];
+  }
+}
+
+// ---------------------------------------------------------------------------- 16-byte packs
+
+// Conversions of 8 elements packed in 16 bytes (uint4) to and from float registers.
+template <typename T> struct Vec;
+
+template <> struct Vec<half> {
+  static constexpr int kSize = 8;
+  static __device__ __forceinline__ float2 to_float2(unsigned w) {
+    __half2 h;
+    *reinterpret_cast<unsigned*>(&h) = w;
+    return __half22float2(h);
+  }
+  static __device__ __forceinline__ unsigned from_float2(float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+};
+
+template <> struct Vec<__nv_bfloat16> {
+  static constexpr int kSize = 8;
+  static __device__ __forceinline__ float2 to_float2(unsigned w) {
+    __nv_bfloat162 h;
+    *reinterpret_cast<unsigned*>(&h) = w;
+    return __bfloat1622float2(h);
+  }
+  static __device__ __forceinline__ unsigned from_float2(float a, float b) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<const unsigned*>(&h);
+  }
+};
+
+template <typename T>
+__device__ __forceinline__ void unpack8(const uint4 raw, float (&x)[8]) {
+  const float2 f0 = Vec<T>::to_float2(raw.x), f1 = Vec<T>::to_float2(raw.y);
+  const float2 f2 = Vec<T>::to_float2(raw.z), f3 = Vec<T>::to_float2(raw.w);
+  x[0] = f0.x; x[1] = f0.y; x[2] = f1.x; x[3] = f1.y;
+  x[4] = f2.x; x[5] = f2.y; x[6] = f3.x; x[7] = f3.y;
+}
+
+template <typename T>
+__device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
+  uint4 raw;
+  raw.x = Vec<T>::from_float2(x[0], x[1]);
+  raw.y = Vec<T>::from_float2(x[2], x[3]);
+  raw.z = Vec<T>::from_float2(x[4], x[5]);
+  raw.w = Vec<T>::from_float2(x[6], x[7]);
+  return raw;
+}
+
+// 8 elements at a 16-byte aligned address (global or shared) <-> float[8].
+template <typename T>
+__device__ __forceinline__ void load8(const T* ptr, float (&x)[8]) {
+  unpack8<T>(*reinterpret_cast<const uint4*>(ptr), x);
+}
+template <typename T>
+__device__ __forceinline__ void store8(T* ptr, const float (&x)[8]) {
+  *reinterpret_cast<uint4*>(ptr) = pack8<T>(x);
+}
+
+// 8 floats at a 16-byte aligned address <-> float[8], as two 16-byte accesses.
+__device__ __forceinline__ void load8f(const float* ptr, float (&x)[8]) {
+  const float4 a = reinterpret_cast<const float4*>(ptr)[0];
+  const float4 b = reinterpret_cast<const float4*>(ptr)[1];
+  x[0] = a.x; x[1] = a.y; x[2] = a.z; x[3] = a.w;
+  x[4] = b.x; x[5] = b.y; x[6] = b.z; x[7] = b.w;
+}
+__device__ __forceinline__ void store8f(float* ptr, const float (&x)[8]) {
+  reinterpret_cast<float4*>(ptr)[0] = make_float4(x[0], x[1], x[2], x[3]);
+  reinterpret_cast<float4*>(ptr)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+
+// ---------------------------------------------------------------------------- cp.async
+
+// Copy 16 bytes global -> shared, bypassing L1 (.cg). valid == false writes 16 zero bytes
+// and reads nothing (src-size 0), so guarded rows hold zeros, never stale data.
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src, const bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+               :: "r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+
+// Wait until at most N of this thread's committed groups are still in flight.
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------- fast divmod
+
+// n / d and n % d for 0 <= n < 2^31 and a run-time 1 <= d < 2^31 (Granlund-Montgomery):
+// with s = ceil(log2 d) and m = floor(2^32 (2^s - d) / d) + 1, n / d = (umulhi(n, m) + n) >> s.
+// umulhi(n, m) <= n < 2^31, so the sum never wraps. Built once per thread (one 64-bit
+// division), then a multiply-high, an add and a shift per use instead of ~20 instructions.
+struct FastDivmod {
+  unsigned divisor, multiplier, shift;
+
+  __device__ __forceinline__ explicit FastDivmod(const int d) : divisor(static_cast<unsigned>(d)) {
+    shift = 0;
+    while ((1u << shift) < divisor) ++shift;
+    const unsigned long long two_s = 1ull << shift;
+    multiplier = static_cast<unsigned>(((two_s - divisor) << 32) / divisor + 1);
+  }
+  __device__ __forceinline__ int div(const int n) const {
+    const unsigned un = static_cast<unsigned>(n);
+    return static_cast<int>((__umulhi(un, multiplier) + un) >> shift);
+  }
+  __device__ __forceinline__ void divmod(const int n, int& quotient, int& remainder) const {
+    quotient = div(n);
+    remainder = n - quotient * static_cast<int>(divisor);
+  }
+};
+
+// ---------------------------------------------------------------------------- mma fragments
+//
+// Fragments of mma.sync.aligned.m16n8k16.row.col (PTX ISA, "Matrix fragments for mma.m16n8k16").
+// In a warp, lane l has quad row  lane_row = l / 4  (0..7)  and  quad column  lane_col = 2 (l % 4):
+//   A 16x16 (row-major), 4 x 32-bit registers of two 16-bit elements (low half = lower column):
+//     a0: (lane_row,     lane_col + {0,1})    a1: (lane_row + 8, lane_col + {0,1})
+//     a2: (lane_row,     lane_col + 8 + {0,1}) a3: (lane_row + 8, lane_col + 8 + {0,1})
+//   B 16x8 (k x n, "col": two k-consecutive elements per register):
+//     b0: (k = lane_col + {0,1}, n = lane_row)   b1: (k = lane_col + 8 + {0,1}, n = lane_row)
+//   C/D 16x8 fp32:
+//     c0, c1: (lane_row, lane_col + {0,1})      c2, c3: (lane_row + 8, lane_col + {0,1})
+// ldmatrix .x4: lanes 8i .. 8i+7 give the row addresses (16 bytes each) of 8x8 matrix i, and
+// register i receives matrix i with lane l holding (row l / 4, columns 2 (l % 4) + {0,1}) -- the
+// a/b layouts above; .trans delivers the transpose: (rows 2 (l % 4) + {0,1}, column l / 4).
+
+// Every lane of the quad (the 4 lanes sharing lane_row) ends with op over the quad.
+template <typename Op>
+__device__ __forceinline__ float quad_allreduce(float v, Op op) {
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  v = op(v, __shfl_xor_sync(0xffffffffu, v, 2));
+  return v;
+}
+
+__device__ __forceinline__ unsigned smem_u32(const void* ptr) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(ptr));
+}
+
+// The caller's barrier orders these reads after the writes that filled the tile; volatile
+// keeps them in program order with respect to it.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const unsigned smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const unsigned smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(smem_addr));
+}
+
+template <typename T> struct Mma;
+
+template <> struct Mma<__nv_bfloat16> {
+  static __device__ __forceinline__ void m16n8k16(float (&c)[4], const unsigned (&a)[4],
+                                                  const unsigned b0, const unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+template <> struct Mma<half> {
+  static __device__ __forceinline__ void m16n8k16(float (&c)[4], const unsigned (&a)[4],
+                                                  const unsigned b0, const unsigned b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+        "{%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+};
+
+// Two floats -> one register of two T (round to nearest), `lo` in the low 16 bits: the
+// element with the lower column index of an A fragment pair.
+template <typename T>
+__device__ __forceinline__ unsigned pack2(const float lo, const float hi) {
+  return Vec<T>::from_float2(lo, hi);
+}
+
+}  // namespace attnlang

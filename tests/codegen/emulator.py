@@ -1,0 +1,305 @@
+"""Run the rendered decode and merge kernels on the CPU, for tests on machines without a GPU.
+
+The real rendered source (`attnlang.codegen.render.render`) is compiled as C++ by g++ against
+``emulator_shim.h``, which emulates the CUDA subset the templates use (threads, barriers,
+group shuffles, cp.async, half/bf16); the few inline PTX statements of common.cuh are
+replaced by the shim's calls. Each kernel becomes a small executable that reads its
+arguments from a directory of raw arrays and writes its outputs back.
+
+What this checks: indexing, paging, tiling and pipeline order, work items and partial
+states, the TZ merge, the merge kernel, masking and -inf handling, every hook's lowering.
+What it does not: timing, the precision of the fast intrinsics (exact libm stands in), and
+the real scheduler's interleavings (eager and lazy copy modes bracket the pipeline's).
+
+    result = run_case(attnlang.load("examples/causal.attn"), workdir, kv_chunk_size=24)
+    result.rel_err, result.lse_err
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from attnlang import ir, reference
+from attnlang.codegen.config import launch_config
+from attnlang.codegen.lower import lower
+from attnlang.codegen.render import render
+from attnlang.runtime.planner import plan_batch
+
+SHIM = Path(__file__).with_name("emulator_shim.h")
+
+# Inline PTX statements of common.cuh -> the shim's equivalents.
+_PTX = [
+    ('asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));', "y = exp2f(x);"),
+    ('asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));', "y = tanhf(x);"),
+    ('asm("mov.u32 %0, %%laneid;" : "=r"(lane));', "lane = emu_laneid();"),
+    ('asm volatile("cp.async.commit_group;\\n" ::: "memory");', "emu_commit();"),
+    ('asm volatile("cp.async.wait_group %0;\\n" :: "n"(N) : "memory");', "emu_wait(N);"),
+    ('asm volatile("cp.async.wait_all;\\n" ::: "memory");', "emu_wait(0);"),
+]
+_CP_ASYNC = re.compile(r'asm volatile\("cp\.async\.cg\.shared\.global.*?\);', re.S)
+# Any other inline PTX (helpers of other kernels, e.g. mma / ldmatrix) compiles to a trap.
+_OTHER_ASM = re.compile(r"^(\s*)asm\s*(?:volatile\s*)?\(.*?\);", re.S | re.M)
+
+_MAIN = r"""
+#include <fstream>
+#include <iterator>
+#include <string>
+static std::string g_dir;
+static std::map<std::string, std::vector<float4>> g_bufs;  // 16-byte aligned storage
+static std::map<std::string, size_t> g_sizes;
+static void* buf(const char* name) {
+  auto it = g_bufs.find(name);
+  if (it != g_bufs.end()) return it->second.data();
+  std::ifstream f(g_dir + "/" + name + ".bin", std::ios::binary);
+  if (!f) { fprintf(stderr, "missing array %s\n", name); std::_Exit(7); }
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<float4> v(bytes.size() / 16 + 1);
+  memcpy(v.data(), bytes.data(), bytes.size());
+  g_sizes[name] = bytes.size();
+  g_bufs[name] = std::move(v);
+  return g_bufs[name].data();
+}
+static double num(const char* name) {
+  std::ifstream f(g_dir + "/" + name + ".txt");
+  double x;
+  if (!(f >> x)) { fprintf(stderr, "missing scalar %s\n", name); std::_Exit(7); }
+  return x;
+}
+static int ival(const char* name) { return (int)num(name); }
+static float fval(const char* name) { return (float)num(name); }
+int main(int argc, char** argv) {
+  g_dir = argv[1];
+  dim3u block{(unsigned)ival("block_x"), (unsigned)ival("block_y"), (unsigned)ival("block_z")};
+  emu_launch(@KIND@, (unsigned)ival("grid"), block, (size_t)ival("smem"), @ARGS@);
+  for (const char* name : {@OUTS@}) {
+    if (!g_bufs.count(name)) continue;
+    std::ofstream f(g_dir + "/" + name + ".out", std::ios::binary);
+    f.write((const char*)g_bufs[name].data(), g_sizes[name]);
+  }
+  return 0;
+}
+"""
+
+
+def available() -> str | None:
+    """None if g++ can build the emulator here, else why not."""
+    if shutil.which("g++") is None:
+        return "g++ not found"
+    probe = subprocess.run(["g++", "-std=c++17", "-x", "c++", "-fsyntax-only", "-"],
+                           input="_Float16 h = 1; int main() {}", capture_output=True, text=True)
+    return None if probe.returncode == 0 else "g++ lacks _Float16"
+
+
+def entry_args(src: str, kind: str) -> list[tuple[str, str]]:
+    """(C type, name) of each argument of the extern "C" entry `kind`."""
+    m = re.search(rf'extern "C" __global__ void __launch_bounds__\([^)]*\)\s*{kind}\((.*?)\)'
+                  r"\s*\{", src, re.S)
+    args = []
+    for decl in m.group(1).split(","):
+        ctype, name = " ".join(decl.replace("__restrict__", "").split()).rsplit(" ", 1)
+        args.append((ctype, name))
+    return args
+
+
+def _emulated_source(src: str, kind: str) -> str:
+    src = src.replace("#include <cuda_fp16.h>", f'#include "{SHIM}"')
+    src = src.replace("#include <cuda_bf16.h>", "")
+    for ptx, emu in _PTX:
+        assert ptx in src, f"common.cuh changed: {ptx!r} not found; update the emulator"
+        src = src.replace(ptx, emu)
+    src, n = _CP_ASYNC.subn("emu_cp_async(smem_dst, gmem_src, valid);", src)
+    assert n == 1, "common.cuh changed: cp.async statement not found"
+    src = src.replace("extern __shared__ __align__(16) unsigned char smem[];",
+                      "unsigned char* smem = emu_smem();")
+    src = _OTHER_ASM.sub(r"\1emu_unsupported(__LINE__);", src)
+    args = entry_args(src, kind)
+    calls = [f'({t})buf("{n}")' if "*" in t else
+             f'ival("{n}")' if "int" in t else f'fval("{n}")' for t, n in args]
+    outs = [n for t, n in args if "*" in t and not t.startswith("const")]
+    main = (_MAIN.replace("@KIND@", kind).replace("@ARGS@", ",\n      ".join(calls))
+            .replace("@OUTS@", ", ".join(f'"{o}"' for o in outs)))
+    return src + main
+
+
+def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path) -> Path:
+    """The emulator executable of one kernel (cached in bin_dir by source hash)."""
+    src = _emulated_source(render(hooks, kind, dtype, head_dim), kind)
+    digest = hashlib.sha256((src + SHIM.read_text()).encode()).hexdigest()[:16]
+    exe = bin_dir / f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{digest}"
+    if not exe.exists():
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        cpp = exe.with_suffix(".cpp")
+        cpp.write_text(src)
+        r = subprocess.run(["g++", "-std=c++17", "-O1", "-pthread", "-w", "-o", str(exe),
+                            str(cpp)], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"g++ failed on {cpp}:\n{r.stderr[:4000]}")
+    return exe
+
+
+def _launch(exe: Path, workdir: Path, arrays: dict, scalars: dict, grid: int, cfg,
+            eager: bool) -> dict[str, np.ndarray]:
+    if workdir.exists():
+        shutil.rmtree(workdir)
+    workdir.mkdir(parents=True)
+    for name, a in arrays.items():
+        np.ascontiguousarray(a).tofile(workdir / f"{name}.bin")
+    launch = {"grid": grid, "block_x": cfg.block[0], "block_y": cfg.block[1],
+              "block_z": cfg.block[2], "smem": cfg.smem_bytes}
+    for name, value in {**scalars, **launch}.items():
+        text = str(int(value)) if isinstance(value, (int, np.integer)) else repr(float(value))
+        (workdir / f"{name}.txt").write_text(text)
+    env = {**os.environ, "EMU_EAGER": "1" if eager else "0"}
+    r = subprocess.run([str(exe), str(workdir)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    if r.returncode:
+        raise RuntimeError(f"emulated kernel failed (exit {r.returncode}): {r.stderr[:2000]}")
+    outs = {}
+    for name, a in arrays.items():
+        path = workdir / f"{name}.out"
+        if path.exists():
+            outs[name] = np.fromfile(path, dtype=a.dtype).reshape(a.shape)
+    return outs
+
+
+def _to_bits(x: np.ndarray, dtype: str) -> tuple[np.ndarray, np.ndarray]:
+    """Round float data to dtype: (raw 16-bit storage, the rounded values in float64)."""
+    x = np.asarray(x, np.float32)
+    if dtype == "float16":
+        h = x.astype(np.float16)
+        return h.view(np.uint16), h.astype(np.float64)
+    u = x.view(np.uint32).astype(np.uint64)
+    bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)  # round to nearest even
+    return bits, _from_bits(bits, dtype)
+
+
+def _from_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "float16":
+        return bits.view(np.float16).astype(np.float64)
+    return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+
+def _params(v: ir.Variant, rng, sizes: dict[str, int], kv_lens, given) -> dict:
+    params = {}
+    for p in v.params:
+        if p.extent is None:
+            params[p.name] = p.default if p.default is not None else (
+                float(rng.uniform(0.5, 2.0)) if p.type is ir.FLOAT else int(rng.integers(0, 5)))
+        elif p.type is ir.FLOAT:
+            n = sizes[p.extent]
+            params[p.name] = ((1.0 + 0.2 * rng.standard_normal(n)) if p.extent == "dim"
+                              else rng.uniform(0.01, 0.3, n)).astype(np.float32)
+        else:
+            high = int(min(kv_lens)) if p.extent == "batch" else 5
+            params[p.name] = rng.integers(0, max(1, high), sizes[p.extent]).astype(np.int32)
+    params.update(given or {})
+    return params
+
+
+@dataclass(frozen=True)
+class Result:
+    rel_err: float  # ||out - ref|| / ||ref|| over the whole output
+    lse_err: float | None  # max |lse - ref| over finite rows (None: softmax off)
+    lse_finite_matches: bool  # lse is finite exactly where the reference's is
+    has_nan: bool
+    work_items: int
+    merge_rows: int
+
+
+def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim: int = 64,
+             num_heads: int = 8, num_kv_heads: int = 2, qo_lens=(1, 3, 2),
+             kv_lens=(37, 100, 5), page_size: int = 16, num_ctas: int = 4,
+             kv_chunk_size: int | None = None, params: dict | None = None,
+             sm_scale: float | None = None, eager: bool = False, seed: int = 0) -> Result:
+    """Plan a random paged batch, run decode (+ merge) emulated, compare with the reference.
+
+    Pages are shuffled in memory; out, lse and the partial buffers start as NaN.
+    kv_chunk_size forces split requests (partial states + the merge kernel).
+    """
+    rng = np.random.default_rng(seed)
+    group = num_heads // num_kv_heads
+    qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
+    total_q = int(qo_lens.sum())
+    pages = [-(-int(n) // page_size) for n in kv_lens]
+    total_pages = sum(pages) + 3  # a few unused pages
+    kv_indices = rng.permutation(total_pages)[:sum(pages)].astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    # tokens in each request's last page (0 for a request without pages)
+    last = np.array([int(n) - (p - 1) * page_size if p else 0
+                     for n, p in zip(kv_lens, pages, strict=True)], np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q_bits, q = _to_bits(rng.standard_normal((total_q, num_heads, head_dim)), dtype)
+    cache_shape = (total_pages, page_size, num_kv_heads, head_dim)
+    k_bits, k = _to_bits(rng.standard_normal(cache_shape), dtype)
+    v_bits, vv = _to_bits(rng.standard_normal(cache_shape), dtype)
+    sizes = {"heads": num_heads, "kv_heads": num_kv_heads, "batch": len(qo_lens),
+             "dim": head_dim}
+    params = _params(v, rng, sizes, kv_lens, params)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
+                                               last, params=params, sm_scale=scale)
+
+    hooks = lower(v)
+    cfg = launch_config("decode", head_dim, group, dtype)
+    plan = plan_batch(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
+                      rows_per_tile=cfg.rows_per_tile, num_ctas=num_ctas,
+                      kv_align=cfg.kv_tile, kv_chunk_size=kv_chunk_size)
+    nan16 = np.uint16(0x7FFF if dtype == "float16" else 0x7FC0)
+    partial_rows = max(1, plan.num_partial_rows)
+    arrays = {
+        "q": q_bits, "k_cache": k_bits, "v_cache": v_bits,
+        "out": np.full((total_q, num_heads, head_dim), nan16, np.uint16),
+        "lse": np.full((total_q, num_heads), np.nan, np.float32),
+        "qo_indptr": qo_indptr, "kv_indptr": kv_indptr,
+        "kv_indices": kv_indices if len(kv_indices) else np.zeros(1, np.int32),
+        "kv_last_page_len": last,
+        "partial_o": np.full((partial_rows, head_dim), np.nan, np.float32),
+        "partial_lse": np.full((partial_rows,), np.nan, np.float32),
+        **{name: a.astype(np.int32) for name, a in plan.work_arrays().items()},
+    }
+    scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
+               "sm_scale": scale}
+    tensor_params = {}
+    for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
+        if spec.is_tensor:
+            tensor_params[kp.name] = np.asarray(
+                params[spec.name], np.float32 if spec.type is ir.FLOAT else np.int32)
+        else:
+            scalars[kp.name] = params[spec.name]
+    arrays.update(tensor_params)
+    bin_dir = workdir / "bin"
+    res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir), workdir / "run", arrays,
+                  scalars, plan.num_ctas, cfg, eager)
+    out, lse = res["out"], res["lse"]
+    if plan.merge_count:
+        merge_arrays = {
+            "merge_count": np.array([plan.merge_count], np.int32), "out": out, "lse": lse,
+            "partial_o": res["partial_o"], "partial_lse": res["partial_lse"],
+            "qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_last_page_len": last,
+            **{name: a.astype(np.int32) for name, a in plan.merge_arrays().items()},
+            **tensor_params,
+        }
+        mcfg = launch_config("merge", head_dim, group, dtype)
+        res = _launch(build(hooks, "merge", dtype, head_dim, bin_dir), workdir / "run",
+                      merge_arrays, scalars, 2, mcfg, eager)
+        out, lse = res["out"], res["lse"]
+
+    o = _from_bits(out, dtype)
+    has_nan = bool(np.isnan(o).any() or (ref_lse is not None and np.isnan(lse).any()))
+    rel_err = float(np.linalg.norm(o - ref_o) / max(np.linalg.norm(ref_o), 1e-30))
+    lse_err, finite_ok = None, True
+    if ref_lse is not None:
+        finite = np.isfinite(ref_lse)
+        finite_ok = bool((np.isfinite(lse) == finite).all()
+                         and (lse[~finite] == -np.inf).all())
+        lse_err = float(np.abs(lse[finite] - ref_lse[finite]).max()) if finite.any() else 0.0
+    return Result(rel_err, lse_err, finite_ok, has_nan, plan.num_work_items, plan.merge_count)

@@ -1,0 +1,103 @@
+"""The rendered decode and merge kernels, run on the CPU (tests/codegen/emulator.py) and
+compared with the NumPy reference: kernel logic is checked on every machine, GPU or not.
+
+Tolerances are LANGUAGE.md section 7's (relative L2 error of out: 1e-2 bf16, 2e-3 fp16); lse
+is compared where finite and must be -inf exactly where the reference's is. Nothing may be
+NaN (out, lse and the partial buffers start as NaN).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlang
+from tests.codegen import emulator
+from tests.variant_files import VARIANT_FILES, VARIANT_IDS
+
+_PROBLEM = emulator.available()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulator: {_PROBLEM}")
+
+TOL = {"bfloat16": 1e-2, "float16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("emulator")
+
+
+def check(result: emulator.Result, dtype: str) -> None:
+    assert not result.has_nan
+    assert result.rel_err <= TOL[dtype], result
+    if result.lse_err is not None:
+        assert result.lse_finite_matches, result
+        assert result.lse_err <= 5e-3, result
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+def test_variant_split_and_merged(path, workdir):
+    # GQA 8/2 (R = 4, TZ = 2), ragged queries, KV split into chunks of 24 (partial states,
+    # merge kernel), chunks not aligned to tiles or pages, pages shuffled in memory.
+    r = emulator.run_case(attnlang.load(path), workdir, dtype="bfloat16", head_dim=64,
+                          kv_chunk_size=24, num_ctas=4, seed=1)
+    assert r.merge_rows > 0
+    check(r, "bfloat16")
+
+
+@pytest.mark.parametrize("case", [
+    # fp16, MHA (R = 1, TZ = 8), page size 7, whole requests, copies performed at issue
+    dict(dtype="float16", head_dim=128, num_heads=4, num_kv_heads=4, qo_lens=(2, 1),
+         kv_lens=(70, 33), page_size=7, eager=True),
+    # head_dim 256, group 3 (R = 4 with an idle row), page size 1, 5-key chunks, sm_scale
+    dict(head_dim=256, num_heads=6, num_kv_heads=2, page_size=1, kv_chunk_size=5,
+         num_ctas=7, sm_scale=0.3),
+    # group 32: R = 16, two row tiles per query; a request with no queries
+    dict(num_heads=32, num_kv_heads=1, qo_lens=(1, 2, 0), kv_lens=(40, 77, 3),
+         kv_chunk_size=30, num_ctas=5),
+    # a long query block (20 queries x group 2 = 40 rows over 10 row tiles... of R = 2)
+    dict(dtype="float16", head_dim=128, num_heads=4, num_kv_heads=2, qo_lens=(20, 1),
+         kv_lens=(90, 50), page_size=3, kv_chunk_size=40, num_ctas=3),
+], ids=["fp16-mha-ps7", "d256-group3-ps1", "group32", "long-query"])
+def test_causal_layouts(case, workdir):
+    v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index("causal")])
+    check(emulator.run_case(v, workdir, **case), case.get("dtype", "bfloat16"))
+
+
+@pytest.mark.parametrize("split", [None, 16])
+def test_fully_masked_rows(split, workdir):
+    # Every key masked: o = 0 before the output stage (here output = o + 1), lse = -inf.
+    v = attnlang.parse("variant none\nmask = kv_pos < 0\noutput = o + 1.0")
+    check(emulator.run_case(v, workdir, kv_chunk_size=split), "bfloat16")
+
+
+def test_rows_whose_first_tiles_are_masked(workdir):
+    # The first 40 keys of every row are masked: whole tiles and chunks see nothing.
+    v = attnlang.parse("variant late\nmask = kv_pos >= 40")
+    check(emulator.run_case(v, workdir, kv_lens=(37, 100, 64), page_size=1, kv_chunk_size=16),
+          "bfloat16")
+
+
+@pytest.mark.parametrize("split", [None, 48])
+@pytest.mark.parametrize("text", [
+    # A short window: the early tiles are entirely masked (skipped: never loaded), the window's
+    # edge tile is partial, the last ones entirely visible (no per-key mask).
+    "variant win\nconst window: int = 40\nmask = causal and q_pos - kv_pos < window",
+    # Sinks + window: a partial first tile, skipped middle tiles, then the window.
+    "variant sink\nmask = causal and (kv_pos < 3 or q_pos - kv_pos < 50)",
+    # A parameterised window over several query rows: per-item query ranges.
+    "variant pwin\nparam w: int = 70\nmask = kv_pos <= q_pos and q_pos - kv_pos < w",
+])
+def test_mask_tile_skipping(text, split, workdir):
+    v = attnlang.parse(text)
+    check(emulator.run_case(v, workdir, qo_lens=(1, 6, 2), kv_lens=(300, 260, 9),
+                            kv_chunk_size=split, num_ctas=3), "bfloat16")
+
+
+@pytest.mark.parametrize("offset", [100_000, 3_000_000])
+def test_rope_at_large_positions(offset, workdir):
+    # rope_norm_window adds offset[batch] to the positions of its rope (query) and
+    # interleaved rope (key): angles of 1e5..3e6 rad must stay accurate.
+    v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index("rope_norm_window")])
+    offsets = np.array([offset, offset + 7, offset - 5], np.int32)
+    check(emulator.run_case(v, workdir, dtype="float16", head_dim=128,
+                            params={"offset": offsets}, kv_chunk_size=32), "float16")

@@ -1,0 +1,237 @@
+"""The render pass: Hooks -> full CUDA sources, and those sources through NVRTC.
+
+Every variant renders for both kernel kinds; a matrix of them compiles for sm_90a and sm_80
+with no spills and no stack frame (ptxas -v). The decode source of each variant is kept as a
+golden file (tests/codegen/golden/<variant>.decode.bf16.128.cu) so a change to lowering or
+templates shows its effect: regenerate with ATTNLANG_UPDATE_GOLDEN=1.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+import jinja2
+import pytest
+
+import attnlang
+from attnlang import paths
+from attnlang.codegen import config
+from attnlang.codegen.lower import LINE_RESET, lower
+from attnlang.codegen.render import context, environment, generated_name, render
+from tests.variant_files import ROOT, VARIANT_FILES, VARIANT_IDS
+
+GOLDEN = Path(__file__).parent / "golden"
+UPDATE_GOLDEN = os.environ.get("ATTNLANG_UPDATE_GOLDEN", "") not in ("", "0")
+
+# The kinds whose templates these tests cover (prefill has its own tests).
+KINDS = ("decode", "merge")
+
+# INTERNALS.md, "Kernel kinds and arguments".
+DECODE_ARGS = [
+    "q", "k_cache", "v_cache", "out", "lse", "qo_indptr", "kv_indptr", "kv_indices",
+    "kv_last_page_len", "work_indptr", "work_request", "work_kv_head", "work_row_start",
+    "work_kv_start", "work_kv_end", "work_partial", "partial_o", "partial_lse", "num_heads",
+    "num_kv_heads", "page_size", "sm_scale",
+]
+MERGE_ARGS = [
+    "merge_count", "merge_indptr", "merge_slots", "merge_token", "merge_head",
+    "merge_request", "out", "lse", "partial_o", "partial_lse", "qo_indptr", "kv_indptr",
+    "kv_last_page_len", "num_heads", "num_kv_heads", "page_size", "sm_scale",
+]
+
+
+def load(path: Path) -> attnlang.ir.Variant:
+    """Parse with a repository-relative file name, so #line directives (and the golden
+    files) do not depend on where the checkout lives."""
+    return attnlang.parse(path.read_text(), filename=path.relative_to(ROOT).as_posix())
+
+
+def by_id(name: str) -> Path:
+    return VARIANT_FILES[VARIANT_IDS.index(name)]
+
+
+def entry_args(src: str, kind: str) -> list[tuple[str, str]]:
+    """(C type, name) of each argument of the extern "C" entry `kind`."""
+    m = re.search(rf'extern "C" __global__ void __launch_bounds__\([^)]*\)\s*{kind}\((.*?)\)\s*\{{',
+                  src, re.S)
+    assert m, f"no extern \"C\" entry '{kind}'"
+    args = []
+    for decl in m.group(1).split(","):
+        decl = " ".join(decl.replace("__restrict__", "").split())
+        ctype, name = decl.rsplit(" ", 1)
+        args.append((ctype, name))
+    return args
+
+
+# ---------------------------------------------------------------------------- rendering
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_renders_self_contained_source(path, kind):
+    hooks = lower(load(path))
+    src = render(hooks, kind, "bfloat16", 128)
+    includes = re.findall(r"^\s*#\s*include\s*(.*)$", src, re.M)
+    assert includes == ["<cuda_fp16.h>", "<cuda_bf16.h>"]
+    # no unrendered Jinja (inline PTX may legitimately hold "{%0, %1}")
+    assert not re.search(r"\{\{\s*\w+\s*\}\}|\{%-?\s*(if|for|include|raw|endraw)\b", src)
+    assert LINE_RESET not in src
+    assert "namespace variant {" in src and "constexpr int kHeadDim = 128;" in src
+    fixed = DECODE_ARGS if kind == "decode" else MERGE_ARGS
+    args = entry_args(src, kind)
+    assert [name for _, name in args] == fixed + [p.name for p in hooks.kernel_params]
+    assert [t for t, _ in args[len(fixed):]] == [p.ctype for p in hooks.kernel_params]
+
+
+def test_argument_types():
+    src = render(lower(load(by_id("alibi"))), "decode", "float16", 64)
+    types = dict((n, t) for t, n in entry_args(src, "decode"))
+    assert types["q"] == "const half*" and types["out"] == "half*"
+    assert types["lse"] == "float*" and types["partial_o"] == "float*"
+    assert types["num_heads"] == "const int" and types["sm_scale"] == "const float"
+    assert types["param_slopes"] == "const float*"
+    src = render(lower(load(by_id("alibi"))), "merge", "bfloat16", 256)
+    types = dict((n, t) for t, n in entry_args(src, "merge"))
+    assert types["out"] == "__nv_bfloat16*" and types["merge_count"] == "const int*"
+    assert "constexpr int kHeadDim = 256;" in src
+
+
+def test_line_resets_number_the_generated_file():
+    hooks = lower(load(by_id("softcap")))
+    src = render(hooks, "decode", "bfloat16", 128)
+    name = generated_name(hooks, "decode")
+    lines = src.split("\n")
+    resets = [(i, line) for i, line in enumerate(lines) if line.endswith(f'"{name}"')]
+    assert resets, "no #line reset after the hooks"
+    for i, line in resets:
+        # `#line n` at 0-based index i names the next line, which is line i + 2.
+        assert line == f'#line {i + 2} "{name}"'
+    assert '#line 7 "examples/softcap.attn"' in src  # logits = cap * tanh(logits / cap)
+
+
+@pytest.mark.parametrize("kind, dtype, head_dim, message", [
+    ("bogus", "bfloat16", 128, "kernel kind"),
+    ("decode", "float32", 128, "dtype"),
+    ("decode", "bf16", 128, "dtype"),
+    ("merge", "float16", 96, "head_dim"),
+    ("decode", "float16", "128", "head_dim"),
+])
+def test_bad_render_arguments(kind, dtype, head_dim, message):
+    with pytest.raises(ValueError, match=message):
+        render(lower(load(by_id("causal"))), kind, dtype, head_dim)
+
+
+def test_headers_are_spliced_verbatim():
+    # .cuh headers are C++: Jinja-looking text in them (inline PTX operand lists) passes as is.
+    common = (Path(paths.templates_dir()) / "common.cuh").read_text()
+    src = render(lower(load(by_id("causal"))), "merge", "float16", 64)
+    assert common in src
+
+
+def test_strict_undefined_catches_a_missing_value():
+    ctx = context(lower(load(by_id("causal"))), "decode", "bfloat16", 128)
+    del ctx["params_init"]
+    with pytest.raises(jinja2.UndefinedError, match="params_init"):
+        environment().get_template("decode.cu.j2").render(**ctx)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_templates_use_every_context_value_they_are_given_or_document_it(kind):
+    # Each template's opening comment block names the values it splices.
+    text = (Path(paths.templates_dir()) / f"{kind}.cu.j2").read_text()
+    header = text.split("-#}")[0]
+    used = set(re.findall(r"{{\s*(\w+)\s*}}", text))
+    for name in used:
+        assert name in header, f"{kind}.cu.j2 splices '{name}' without listing it"
+
+
+# ---------------------------------------------------------------------------- launch config
+
+
+def test_launch_config_decode():
+    cfg = config.launch_config("decode", 128, 4)
+    assert cfg == config.LaunchConfig((16, 4, 2), 4, 32768, 32)
+    assert cfg.threads == 128 and not cfg.needs_smem_opt_in
+    for head_dim in config.HEAD_DIMS:
+        shape = config.template_shape("decode", head_dim, "bfloat16")
+        for group in (1, 2, 3, 4, 5, 7, 8, 16, 32, 64):
+            cfg = config.launch_config("decode", head_dim, group, "float16")
+            tx, rows, tz = cfg.block
+            assert tx * shape.vec == head_dim and rows == cfg.rows_per_tile
+            assert rows & (rows - 1) == 0 and rows >= min(group, 16 * 8 // tx)
+            assert cfg.threads % 32 == 0 and cfg.threads <= shape.max_threads
+            assert rows * tz <= shape.kv_tile  # every TX-lane group copies >= 1 key per tile
+            assert tz <= shape.kv_tile // shape.chunk  # every z-group gets a softmax chunk
+            assert cfg.smem_bytes >= rows * tz * (head_dim + 2) * 4  # z-group merge scratch
+            assert cfg.kv_tile == shape.kv_tile
+
+
+def test_launch_config_merge_and_errors():
+    cfg = config.launch_config("merge", 64, 8, "bfloat16")
+    assert cfg.block == (8, 16, 1) and cfg.rows_per_tile == 16 and cfg.smem_bytes == 0
+    with pytest.raises(ValueError, match="group_size"):
+        config.launch_config("decode", 128, 0)
+    with pytest.raises(ValueError, match="kernel kind"):
+        config.launch_config("bogus", 128, 1)
+
+
+# ---------------------------------------------------------------------------- golden files
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+def test_golden_decode_source(path):
+    src = render(lower(load(path)), "decode", "bfloat16", 128)
+    golden = GOLDEN / f"{path.stem}.decode.bf16.128.cu"
+    if UPDATE_GOLDEN:
+        golden.parent.mkdir(parents=True, exist_ok=True)
+        golden.write_text(src)
+    assert golden.is_file(), f"missing {golden}: run with ATTNLANG_UPDATE_GOLDEN=1"
+    assert src == golden.read_text(), (
+        f"{golden.name} differs from the rendered source; if the change is intended, "
+        "regenerate with ATTNLANG_UPDATE_GOLDEN=1 and review the diff")
+
+
+# ---------------------------------------------------------------------------- NVRTC
+
+
+def _toolchain_problem() -> str | None:
+    try:
+        from attnlang.runtime import compiler
+
+        compiler.nvrtc_version()
+        compiler.cuda_include_dirs()
+    except Exception as e:  # ToolchainError, ImportError, a broken CuPy install
+        return str(e)
+    return None
+
+
+_PROBLEM = _toolchain_problem()
+needs_nvrtc = pytest.mark.skipif(
+    _PROBLEM is not None, reason=f"needs NVRTC and CUDA headers: {(_PROBLEM or '')[:200]}")
+
+# One compile takes ~0.3-1 s. Every variant x kind at bf16/128/sm_90a, plus two variants
+# (qk_norm: reductions + rope in query and key; kitchen_sink: every other construct) over the
+# whole dtype x head_dim x arch matrix: ~75 compiles.
+_MATRIX = [(v, k, "bfloat16", 128, "sm_90a") for v in VARIANT_IDS for k in KINDS]
+_MATRIX += [(v, k, d, hd, a) for v in ("qk_norm", "kitchen_sink") for k in KINDS
+            for d in config.DTYPES for hd in config.HEAD_DIMS for a in ("sm_90a", "sm_80")
+            if (d, hd, a) != ("bfloat16", 128, "sm_90a")]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant, kind, dtype, head_dim, arch", _MATRIX,
+                         ids=["-".join(map(str, m)) for m in _MATRIX])
+def test_compiles_without_spills(variant, kind, dtype, head_dim, arch):
+    from attnlang.runtime.compiler import compile_source
+
+    hooks = lower(load(by_id(variant)))
+    src = render(hooks, kind, dtype, head_dim)
+    cubin = compile_source(src, arch, name=generated_name(hooks, kind),
+                           label=f"{variant} {kind} {dtype} d{head_dim}")
+    (info,) = [f for f in cubin.functions if f.name == kind]
+    assert info.spill_stores == 0 and info.spill_loads == 0, cubin.log
+    assert info.stack_bytes == 0, cubin.log
+    shape = config.template_shape(kind, head_dim, dtype)
+    assert info.registers <= 65536 // (shape.max_threads * shape.min_blocks)
