@@ -1,5 +1,8 @@
 """Shared test setup: no test ever touches the user's kernel cache."""
 
+import json
+import os
+
 import pytest
 
 
@@ -49,6 +52,7 @@ def error_log():
     """record(dtype, error, where): keep the largest error per dtype."""
 
     def record(dtype: str, error: float, where: str) -> None:
+        _append_line(dtype, error, where)
         best = ERRORS.get(dtype)
         if best is None or error > best["max_rel_l2"]:
             ERRORS[dtype] = {"max_rel_l2": float(error), "where": where,
@@ -59,12 +63,40 @@ def error_log():
     return record
 
 
+def _lines_path() -> str | None:
+    path = os.environ.get("ATTNLANG_ERROR_LOG")
+    return path + "l" if path else None  # errors.json -> errors.jsonl, one line per check
+
+
+def _append_line(dtype: str, error: float, where: str) -> None:
+    # pytest-xdist workers are separate processes: each appends its checks to one file,
+    # which the controller aggregates in the terminal summary.
+    path = _lines_path()
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps({"dtype": dtype, "error": float(error), "where": where}) + "\n")
+
+
+def _aggregate_lines() -> None:
+    path = _lines_path()
+    if not path or not os.path.exists(path) or ERRORS:
+        return
+    with open(path) as f:
+        for line in f:
+            r = json.loads(line)
+            best = ERRORS.get(r["dtype"])
+            count = (best or {}).get("count", 0) + 1
+            if best is None or r["error"] > best["max_rel_l2"]:
+                ERRORS[r["dtype"]] = {"max_rel_l2": r["error"], "where": r["where"],
+                                      "count": count}
+            else:
+                best["count"] = count
+
+
 def pytest_terminal_summary(terminalreporter):
+    _aggregate_lines()
     if not ERRORS:
         return
-    import json
-    import os
-
     terminalreporter.section("attnlang GPU numerics (max relative L2 error vs float64)")
     for dtype, e in sorted(ERRORS.items()):
         terminalreporter.write_line(

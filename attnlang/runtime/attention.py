@@ -3,15 +3,18 @@
 The split of work follows FlashInfer's plan/run API:
 
 - ``plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` validates the batch layout
-  (host arrays), schedules it (`planner.plan_batch`), and copies the plan and the page table
+  (host arrays), schedules it (`planner.plan_mixed`), and copies the plan and the page table
   into a device workspace allocated once at construction, with one host-to-device copy from
   a pinned staging buffer, on the current stream.
 - ``run(q, (k_cache, v_cache), params)`` validates every input before anything is launched
   (`validate_run_inputs`, a pure function of shapes and dtypes), then launches the variant's
-  decode kernel on a fixed grid of `num_ctas` CTAs and the merge kernel on a fixed grid, on
-  the caller's current stream. All workspace pointers are fixed for the object's lifetime,
-  so a CUDA graph captured around run() stays valid after later plan() calls: plan() only
-  rewrites the workspace's contents.
+  decode kernel on a fixed grid of `num_ctas` CTAs, its prefill kernel on a fixed grid of
+  `num_prefill_ctas` CTAs and the merge kernel on a fixed grid, on the caller's current
+  stream. A plan sends each request to one of the two attention kernels (`plan_mixed`:
+  prefill when it has more than PREFILL_MIN_ROWS fused rows), each with its own work list.
+  All workspace pointers are fixed for the object's lifetime, so a CUDA graph captured
+  around run() stays valid after later plan() calls: plan() only rewrites the workspace's
+  contents.
 
 Everything that can be checked without a GPU is a pure function here (validate_shape,
 validate_plan_inputs, validate_run_inputs, workspace_layout, fill_workspace, kernel_args),
@@ -41,13 +44,15 @@ from attnlang.runtime.arrays import (
 )
 from attnlang.runtime.module import KernelModule, check_head_dim
 from attnlang.runtime.planner import (
+    BatchPlan,
     CapacityError,
     Plan,
     PlanBounds,
     PlanError,
+    Tiling,
     lengths_from_indptr,
-    plan_batch,
-    worst_case_bounds,
+    plan_mixed,
+    worst_case_mixed_bounds,
 )
 
 __all__ = [
@@ -422,11 +427,14 @@ def _i32(a: np.ndarray) -> np.ndarray:
 
 # Sections of the int32 workspace, in memory order. The page table goes last so one copy of
 # [0, its start + used length) moves everything a plan wrote.
+_WORK = ("work_request", "work_kv_head", "work_row_start", "work_kv_start", "work_kv_end",
+         "work_partial")
+# The prefill kernel's work list: the same arrays under a "prefill_" prefix.
+_PREFILL_PREFIX = "prefill_"
 _SECTIONS = (
-    "work_indptr", "merge_count", "qo_indptr", "kv_indptr", "kv_last_page_len",
-    "work_request", "work_kv_head", "work_row_start", "work_kv_start", "work_kv_end",
-    "work_partial", "merge_indptr", "merge_token", "merge_head", "merge_request",
-    "merge_slots", "kv_indices",
+    "work_indptr", "merge_count", "qo_indptr", "kv_indptr", "kv_last_page_len", *_WORK,
+    "prefill_work_indptr", *(_PREFILL_PREFIX + name for name in _WORK),
+    "merge_indptr", "merge_token", "merge_head", "merge_request", "merge_slots", "kv_indices",
 )
 
 
@@ -443,21 +451,24 @@ class WorkspaceLayout:
         return self.offsets["kv_indices"] + num_kv_indices
 
 
-def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int) -> WorkspaceLayout:
-    """The fixed layout of the int32 workspace for these capacities.
+def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
+                     num_prefill_ctas: int | None = None) -> WorkspaceLayout:
+    """The fixed layout of the int32 workspace for these capacities: the decode kernel's work
+    list (num_ctas CTAs), the prefill kernel's (num_prefill_ctas, default num_ctas), each
+    holding up to bounds.max_work_items items, the merge list and the page table.
 
     Example: ``workspace_layout(132, worst_case_bounds(...), 1 << 20).total``.
     """
     b, w = bounds.max_batch_size, bounds.max_work_items
     m, p = bounds.max_merge_rows, bounds.max_partial_rows
+    prefill_ctas = num_ctas if num_prefill_ctas is None else num_prefill_ctas
     caps = {
-        "work_indptr": num_ctas + 1, "merge_count": 1, "qo_indptr": b + 1, "kv_indptr": b + 1,
-        "kv_last_page_len": b, "merge_indptr": m + 1, "merge_slots": p,
-        "kv_indices": max_kv_indices,
+        "work_indptr": num_ctas + 1, "prefill_work_indptr": prefill_ctas + 1, "merge_count": 1,
+        "qo_indptr": b + 1, "kv_indptr": b + 1, "kv_last_page_len": b, "merge_indptr": m + 1,
+        "merge_slots": p, "kv_indices": max_kv_indices,
     }
-    for name in ("work_request", "work_kv_head", "work_row_start", "work_kv_start",
-                 "work_kv_end", "work_partial"):
-        caps[name] = w
+    for name in _WORK:
+        caps[name] = caps[_PREFILL_PREFIX + name] = w
     for name in ("merge_token", "merge_head", "merge_request"):
         caps[name] = m
     offsets, at = {}, 0
@@ -467,17 +478,25 @@ def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int) -> 
     return WorkspaceLayout(offsets, caps, at)
 
 
-def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: Plan,
+def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: BatchPlan | Plan,
                    inputs: PlanInputs) -> int:
     """Write `plan` and the page table into the host image of the workspace (int32, at
     least layout.total long). Returns how many leading elements must be copied to the GPU.
-    The caller has checked the capacities (plan_batch's bounds, max_kv_indices)."""
+    A bare Plan (plan_batch) is a decode-only batch: the prefill list is left empty. The
+    caller has checked the capacities (the planner's bounds, max_kv_indices)."""
     values = {
         "merge_count": np.array([plan.merge_count], dtype=np.int32),
         "qo_indptr": inputs.qo_indptr, "kv_indptr": inputs.kv_indptr,
         "kv_last_page_len": inputs.kv_last_page_len, "kv_indices": inputs.kv_indices,
-        **plan.work_arrays(), **plan.merge_arrays(),
+        **plan.merge_arrays(),
     }
+    if isinstance(plan, BatchPlan):
+        values.update(plan.decode.work_arrays())
+        values.update({_PREFILL_PREFIX + k: a for k, a in plan.prefill.work_arrays().items()})
+    else:
+        values.update(plan.work_arrays())
+        values["prefill_work_indptr"] = np.zeros(layout.capacity["prefill_work_indptr"],
+                                                 dtype=np.int32)
     for name, array in values.items():
         start = layout.offsets[name]
         host[start:start + array.shape[0]] = array
@@ -501,14 +520,15 @@ def kernel_args(kind: str, *, q: int, k_cache: int, v_cache: int, out: int, lse:
     tail = (np.int32(num_heads), np.int32(num_kv_heads), np.int32(page_size),
             np.float32(sm_scale),
             *(ptr(v.ptr) if isinstance(v, TensorInfo) else v for _, v in params))
-    if kind == "decode":
+    if kind in ("decode", "prefill"):
+        # Same arguments (INTERNALS.md); each kernel reads its own work list.
+        prefix = _PREFILL_PREFIX if kind == "prefill" else ""
+        work = [ptr(ws[prefix + name]) for name in ("work_indptr", *_WORK)]
         return (
             ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(lse),
             ptr(ws["qo_indptr"]), ptr(ws["kv_indptr"]), ptr(ws["kv_indices"]),
             ptr(ws["kv_last_page_len"]),
-            ptr(ws["work_indptr"]), ptr(ws["work_request"]), ptr(ws["work_kv_head"]),
-            ptr(ws["work_row_start"]), ptr(ws["work_kv_start"]), ptr(ws["work_kv_end"]),
-            ptr(ws["work_partial"]),
+            *work,
             ptr(ws["partial_o"]), ptr(ws["partial_lse"]),
             *tail,
         )
@@ -543,8 +563,16 @@ class BatchAttention:
             the worst case for (max_batch_size, max_total_q) with automatic KV splitting,
             so only a kv_chunk_size override in plan() can exceed them.
         arch: target of the compile (default: the device's; sm_90a on H100).
-        num_ctas: CTAs of the decode grid (default: SMs x occupancy, at most 4 per SM).
+        num_ctas: CTAs of the decode grid (default: SMs x occupancy, at most 4 per SM) and,
+            when given, of the prefill grid too.
+        num_prefill_ctas: CTAs of the prefill grid (default: num_ctas if given, else SMs x
+            the prefill kernel's occupancy).
         device: CUDA device ordinal (default: CuPy's current device).
+
+    Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
+    rows per work item) or, when it has more than PREFILL_MIN_ROWS fused rows
+    (qo_len * group), in the prefill kernel (tensor cores, 64-row tiles); a batch may mix
+    both (planner.plan_mixed). Split requests of either kind merge in one merge kernel.
 
     Streams: plan() copies on CuPy's current stream; run() launches on the caller's current
     stream (torch's for torch tensors) after waiting for the last plan's copy, and plan()
@@ -572,7 +600,7 @@ class BatchAttention:
                  max_kv_indices: int = 1 << 20, max_work_items: int | None = None,
                  max_partial_rows: int | None = None, max_merge_rows: int | None = None,
                  arch: str | None = None, num_ctas: int | None = None,
-                 device: int | None = None):
+                 num_prefill_ctas: int | None = None, device: int | None = None):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size)
         for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
@@ -580,7 +608,8 @@ class BatchAttention:
             _check_count(name, value)
         for name, value in (("max_work_items", max_work_items),
                             ("max_partial_rows", max_partial_rows),
-                            ("max_merge_rows", max_merge_rows), ("num_ctas", num_ctas)):
+                            ("max_merge_rows", max_merge_rows), ("num_ctas", num_ctas),
+                            ("num_prefill_ctas", num_prefill_ctas)):
             if value is not None:
                 _check_count(name, value)
         if isinstance(variant_or_module, KernelModule):
@@ -612,17 +641,32 @@ class BatchAttention:
                                           dtype=self.shape.dtype, arch=arch)
         s = self.shape
         self._decode_cfg = launch_config("decode", s.head_dim, s.group_size, s.dtype)
+        self._prefill_cfg = launch_config("prefill", s.head_dim, s.group_size, s.dtype)
         self._merge_cfg = launch_config("merge", s.head_dim, s.group_size, s.dtype)
         self._decode = self.module.function("decode", self.device,
                                             dynamic_smem=self._decode_cfg.smem_bytes)
+        self._prefill = self.module.function("prefill", self.device,
+                                             dynamic_smem=self._prefill_cfg.smem_bytes)
         self._merge = self.module.function("merge", self.device,
                                            dynamic_smem=self._merge_cfg.smem_bytes)
-        self.num_ctas = int(num_ctas) if num_ctas is not None else self._default_num_ctas()
+        self.num_ctas = (int(num_ctas) if num_ctas is not None
+                         else self._default_num_ctas(self._decode, self._decode_cfg))
+        if num_prefill_ctas is not None:
+            self.num_prefill_ctas = int(num_prefill_ctas)
+        elif num_ctas is not None:
+            self.num_prefill_ctas = self.num_ctas
+        else:
+            self.num_prefill_ctas = self._default_num_ctas(self._prefill, self._prefill_cfg)
+        self._tilings = {
+            "decode": Tiling(self._decode_cfg.rows_per_tile, self.num_ctas,
+                             max(1, int(self._decode_cfg.kv_tile or 1))),
+            "prefill": Tiling(self._prefill_cfg.rows_per_tile, self.num_prefill_ctas,
+                              max(1, int(self._prefill_cfg.kv_tile or 1))),
+        }
 
-        worst = worst_case_bounds(
+        worst = worst_case_mixed_bounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
-            num_kv_heads=s.num_kv_heads, group_size=s.group_size,
-            rows_per_tile=self._decode_cfg.rows_per_tile, num_ctas=self.num_ctas)
+            num_kv_heads=s.num_kv_heads, group_size=s.group_size, **self._tilings)
         self.bounds = PlanBounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             max_work_items=max_work_items or worst.max_work_items,
@@ -630,7 +674,8 @@ class BatchAttention:
             max_merge_rows=max_merge_rows or worst.max_merge_rows,
         )
         self.max_kv_indices = int(max_kv_indices)
-        self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices)
+        self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,
+                                        self.num_prefill_ctas)
         # The merge kernel loops over rows, so a grid of a few CTAs per SM covers any count.
         merge_ctas = -(-self.bounds.max_merge_rows // max(1, self._merge_cfg.rows_per_tile))
         self._merge_grid = max(1, min(merge_ctas, 8 * self._num_sms()))
@@ -654,7 +699,7 @@ class BatchAttention:
         self._ws = {name: base + 4 * off for name, off in self._layout.offsets.items()}
         self._ws["partial_o"] = self._partial_o.data.ptr
         self._ws["partial_lse"] = self._partial_lse.data.ptr
-        self._plan: Plan | None = None
+        self._plan: BatchPlan | None = None
         self._inputs: PlanInputs | None = None
 
     # -- properties
@@ -668,20 +713,21 @@ class BatchAttention:
         return self.module.params
 
     @property
-    def last_plan(self) -> Plan | None:
-        """The Plan of the last successful plan() call (for inspection and tests)."""
+    def last_plan(self) -> BatchPlan | None:
+        """The BatchPlan of the last successful plan() call (for inspection and tests)."""
         return self._plan
 
     def __repr__(self) -> str:
         s = self.shape
         return (f"BatchAttention({self.module.name}, heads {s.num_qo_heads}/{s.num_kv_heads}, "
-                f"d{s.head_dim} {s.dtype}, page_size {s.page_size}, {self.num_ctas} CTAs, "
+                f"d{s.head_dim} {s.dtype}, page_size {s.page_size}, {self.num_ctas} + "
+                f"{self.num_prefill_ctas} CTAs, "
                 f"{self.module.arch}, device {self.device})")
 
     # -- plan
 
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
-             *, kv_chunk_size: int | None = None) -> Plan:
+             *, kv_chunk_size: int | None = None) -> BatchPlan:
         """Schedule a batch and upload its plan and page table (one copy, current stream).
 
         qo_indptr [batch+1]: request b owns queries qo_indptr[b]:qo_indptr[b+1] of q.
@@ -689,7 +735,7 @@ class BatchAttention:
         kv_last_page_len [batch]: valid tokens in its last page (1..page_size; 0 if none).
         Host int arrays (device arrays are copied to the host once). kv_chunk_size: force
         the KV split bound (tests); None = automatic. On error the previous plan stays.
-        Returns the Plan.
+        Returns the BatchPlan (its .decode and .prefill work lists).
         """
         import cupy
 
@@ -698,10 +744,9 @@ class BatchAttention:
         if inputs.kv_indices.shape[0] > self.max_kv_indices:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
                                 self.max_kv_indices, "page-table entries (kv_indices)")
-        plan = plan_batch(
+        plan = plan_mixed(
             inputs.qo_lens, inputs.kv_lens, num_kv_heads=self.shape.num_kv_heads,
-            group_size=self.shape.group_size, rows_per_tile=self._decode_cfg.rows_per_tile,
-            num_ctas=self.num_ctas, kv_align=max(1, int(self._decode_cfg.kv_tile or 1)),
+            group_size=self.shape.group_size, **self._tilings,
             kv_chunk_size=kv_chunk_size, bounds=self.bounds,
         )
         with cupy.cuda.Device(self.device):
@@ -783,10 +828,14 @@ class BatchAttention:
                           num_kv_heads=self.shape.num_kv_heads,
                           page_size=self.shape.page_size, sm_scale=args.sm_scale,
                           params=param_values)
-            self._launch(self._decode, self.num_ctas, self._decode_cfg,
-                         kernel_args("decode", **common), stream)
-            # Without splits the merge kernel has nothing to do; under capture it is always
-            # recorded, since a later plan() may split.
+            # A kernel whose work list is empty has nothing to do; under capture every kernel
+            # is recorded (fixed grids, fixed workspace), since a later plan() may use it.
+            if capturing or self._plan.decode.num_work_items > 0:
+                self._launch(self._decode, self.num_ctas, self._decode_cfg,
+                             kernel_args("decode", **common), stream)
+            if capturing or self._plan.prefill.num_work_items > 0:
+                self._launch(self._prefill, self.num_prefill_ctas, self._prefill_cfg,
+                             kernel_args("prefill", **common), stream)
             if capturing or self._plan.merge_count > 0:
                 self._launch(self._merge, self._merge_grid, self._merge_cfg,
                              kernel_args("merge", **common), stream)
@@ -812,15 +861,14 @@ class BatchAttention:
         props = cupy.cuda.runtime.getDeviceProperties(self.device)
         return int(props["multiProcessorCount"])
 
-    def _default_num_ctas(self) -> int:
+    def _default_num_ctas(self, fn, cfg) -> int:
         import cupy
         from cupy_backends.cuda.api import driver
 
-        cfg = self._decode_cfg
         threads = math.prod(cfg.block) if isinstance(cfg.block, (tuple, list)) else cfg.block
         with cupy.cuda.Device(self.device):
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                self._decode.ptr, int(threads), int(cfg.smem_bytes))
+                fn.ptr, int(threads), int(cfg.smem_bytes))
         return self._num_sms() * max(1, min(int(per_sm), _MAX_CTAS_PER_SM))
 
 
@@ -831,7 +879,7 @@ def _check_module(module: KernelModule, shape: AttentionShape) -> None:
             f"but this BatchAttention asks for {shape.dtype} head_dim {shape.head_dim}: "
             "compile the variant for those (attnlang.compile) or pass the Variant itself"
         )
-    missing = [k for k in ("decode", "merge") if k not in module.cubins]
+    missing = [k for k in ("decode", "prefill", "merge") if k not in module.cubins]
     if missing:
         raise ValueError(f"the compiled module {module.name} lacks the {', '.join(missing)} "
                          "kernel(s) BatchAttention needs; compile it with the default kinds")

@@ -1,19 +1,20 @@
 """Compiled kernels of one variant: compile, save, load from disk, load onto a GPU.
 
 A `KernelModule` holds the cubins of one variant at one (dtype, head_dim, arch), one per
-kernel kind ("decode", "merge"; each a compiler `Cubin` with its ptxas report), with what the
-runtime needs to call them: the variant's
-name, its run-time params (ParamSpec, declaration order = kernel argument order) and its
-softmax flag. It is produced by `compile_variant` (render + NVRTC; no GPU needed) or by
-`load_compiled` (a directory written by `KernelModule.save`; needs neither NVRTC nor the
-.attn source). `KernelModule.function` loads a cubin onto a device on first use.
+kernel kind ("decode", "prefill", "merge"; each a compiler `Cubin` with its ptxas report),
+with what the runtime needs to call them: the variant's name, its run-time params
+(ParamSpec, declaration order = kernel argument order) and its softmax flag. It is
+produced by `compile_variant` (render + NVRTC; no GPU needed) or by `load_compiled` (a
+directory written by `KernelModule.save`; needs neither NVRTC nor the .attn source).
+`KernelModule.function` loads a cubin onto a device on first use.
 
 Directory format (``manifest.json`` + one ``<kind>.cubin`` per kind)::
 
     {"format": 1, "attnlang_version": "0.1.0", "nvrtc_version": "12.9",
      "variant": {"name": "softcap", "softmax": true,
                  "params": [{"name": "cap", "type": "float", "extent": null, "default": 30.0}]},
-     "dtype": "bfloat16", "head_dim": 128, "arch": "sm_90a", "kinds": ["decode", "merge"],
+     "dtype": "bfloat16", "head_dim": 128, "arch": "sm_90a",
+     "kinds": ["decode", "prefill", "merge"],
      "cubins": {"decode": {"file": "decode.cubin", "entry": "decode", "sha256": "...",
                            "bytes": 123456, "functions": [{"name": "decode", "registers":
                            96, ...}], "compile_seconds": 1.2}, ...}}
@@ -40,7 +41,7 @@ __all__ = [
     "compile_variant", "load_compiled", "arch_runs_on", "device_arch",
 ]
 
-KINDS = ("decode", "merge")
+KINDS = ("decode", "prefill", "merge")
 KERNEL_KINDS = KINDS  # the name the CLI uses
 HEAD_DIMS = (64, 128, 256)
 MANIFEST_FORMAT = 1
@@ -181,7 +182,7 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     current GPU's. Cached in memory (per process) and on disk (by the compiler).
 
     Example: ``compile_variant(v, head_dim=128, dtype="bf16", arch="sm_90a").kinds``
-    -> ``("decode", "merge")``.
+    -> ``("decode", "prefill", "merge")``.
     """
     from attnlang.pipeline import generate_source
     from attnlang.runtime.compiler import compile_source, nvrtc_version, resolve_arch

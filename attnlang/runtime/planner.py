@@ -21,6 +21,12 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
 The plan is pure data: contiguous, read-only int32 NumPy arrays that the runtime copies into
 a device workspace with one host-to-device copy. Nothing here touches a GPU.
 
+Two kernels, one plan (`plan_mixed`): requests with more than PREFILL_MIN_ROWS fused rows
+(qo_len * group_size) go to the prefill kernel (tensor cores, 64-row tiles), the others to the
+decode kernel. Each kernel gets its own work list, scheduled by `plan_batch` over its own
+grid with the other kernel's requests given no queries (no work); the two lists share the
+partial-state buffer (the prefill list's slots follow the decode list's) and one merge list.
+
 Example::
 
     plan = plan_batch([1, 1], [4000, 10], num_kv_heads=8, group_size=4,
@@ -33,13 +39,14 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
 __all__ = [
-    "ROW_COST", "KV_COST", "MIN_KV_CHUNK", "PlanError", "CapacityError", "PlanBounds", "Plan",
-    "plan_batch", "lengths_from_indptr", "chunk_bound", "worst_case_bounds",
+    "ROW_COST", "KV_COST", "MIN_KV_CHUNK", "PREFILL_MIN_ROWS", "PlanError", "CapacityError",
+    "PlanBounds", "Plan", "Tiling", "BatchPlan", "plan_batch", "plan_mixed",
+    "lengths_from_indptr", "chunk_bound", "worst_case_bounds", "worst_case_mixed_bounds",
 ]
 
 # Cost model of one work item: ROW_COST * fused rows + KV_COST * KV positions, in units of
@@ -51,6 +58,10 @@ KV_COST = 1
 # Never split a request's KV below this many positions: a chunk this short costs about as
 # much in setup and merging as it saves, and it keeps short requests whole.
 MIN_KV_CHUNK = 256
+# Requests with more fused rows (qo_len * group_size) than this run in the prefill kernel: from
+# here on a 64-row tensor-core tile beats the decode kernel's CUDA-core rows (at most 16 per
+# item, each item streaming the request's KV once).
+PREFILL_MIN_ROWS = 16
 
 
 class PlanError(ValueError):
@@ -529,3 +540,174 @@ def _check_positive(name: str, value) -> None:
 def _check_bound(capacity: int | None, bound: str, needed: int, what: str) -> None:
     if capacity is not None and needed > capacity:
         raise CapacityError(bound, needed, capacity, what)
+
+
+# ---------------------------------------------------------------------------- mixed batches
+
+
+@dataclass(frozen=True)
+class Tiling:
+    """How one kernel cuts work: fused rows per item, CTAs of its grid, KV chunk alignment.
+
+    Example: ``Tiling(rows_per_tile=64, num_ctas=264, kv_align=64)`` (prefill, head_dim 128).
+    """
+
+    rows_per_tile: int
+    num_ctas: int
+    kv_align: int = 1
+
+
+@dataclass(frozen=True, eq=False)
+class BatchPlan:
+    """The plan of a batch for both attention kernels plus the merge kernel.
+
+    decode / prefill: each kernel's Plan (its work list over its own grid; a request appears
+    in one of them only, its qo_lens are 0 for the other kernel's requests). Partial rows of
+    the prefill list follow the decode list's (``prefill.work_partial`` is already offset),
+    and the merge arrays here cover both (merge_token in the batch's numbering):
+    ``merge_slots[merge_indptr[m]:merge_indptr[m+1]]`` are merge row m's partial rows in KV
+    order (the sub-plans' own merge arrays are not used by the runtime).
+    """
+
+    decode: Plan
+    prefill: Plan
+    merge_count: int
+    merge_indptr: np.ndarray
+    merge_slots: np.ndarray
+    merge_token: np.ndarray
+    merge_head: np.ndarray
+    merge_request: np.ndarray
+    num_partial_rows: int
+
+    @property
+    def batch_size(self) -> int:
+        return self.decode.batch_size
+
+    @property
+    def total_q(self) -> int:
+        return self.decode.total_q + self.prefill.total_q
+
+    @property
+    def num_work_items(self) -> int:
+        return self.decode.num_work_items + self.prefill.num_work_items
+
+    @property
+    def num_split_requests(self) -> int:
+        return self.decode.num_split_requests + self.prefill.num_split_requests
+
+    @property
+    def kv_chunk_size(self) -> int:
+        """The decode list's KV chunk bound (see each sub-plan for its own)."""
+        return self.decode.kv_chunk_size
+
+    def merge_arrays(self) -> dict[str, np.ndarray]:
+        """The merge kernel's plan arguments (after merge_count), in kernel-argument order."""
+        return {
+            "merge_indptr": self.merge_indptr, "merge_slots": self.merge_slots,
+            "merge_token": self.merge_token, "merge_head": self.merge_head,
+            "merge_request": self.merge_request,
+        }
+
+    def same_as(self, other: BatchPlan) -> bool:
+        """True if both plans hold identical values (the determinism check)."""
+        if not (self.decode.same_as(other.decode) and self.prefill.same_as(other.prefill)):
+            return False
+        if (self.merge_count, self.num_partial_rows) != (other.merge_count,
+                                                         other.num_partial_rows):
+            return False
+        return all(np.array_equal(a, other.merge_arrays()[k])
+                   for k, a in self.merge_arrays().items())
+
+
+def plan_mixed(
+    qo_lens: Sequence[int] | np.ndarray,
+    kv_lens: Sequence[int] | np.ndarray,
+    *,
+    num_kv_heads: int,
+    group_size: int,
+    decode: Tiling,
+    prefill: Tiling,
+    prefill_min_rows: int = PREFILL_MIN_ROWS,
+    min_kv_chunk: int = MIN_KV_CHUNK,
+    kv_chunk_size: int | None = None,
+    bounds: PlanBounds | None = None,
+) -> BatchPlan:
+    """Schedule a ragged batch over the decode and prefill kernels. Pure CPU, deterministic.
+
+    Request b runs in the prefill kernel iff ``qo_lens[b] * group_size > prefill_min_rows``.
+    Each kernel's list is `plan_batch` over its requests (the others get qo_len 0) with its
+    own Tiling; the cost model, the KV chunk bound (per list: each kernel fills the GPU on its
+    own, they run one after the other) and the determinism are plan_batch's. kv_chunk_size
+    overrides both lists' bound.
+
+    bounds: max_work_items caps each list (the workspace holds one section per list);
+    max_partial_rows and max_merge_rows cap the two lists together. Raises PlanError /
+    CapacityError. Example::
+
+        plan = plan_mixed([1, 500], [4000, 900], num_kv_heads=8, group_size=4,
+                          decode=Tiling(4, 528, 32), prefill=Tiling(64, 264, 64))
+        plan.decode.num_work_items, plan.prefill.num_work_items
+    """
+    _check_positive("prefill_min_rows", prefill_min_rows)
+    _check_positive("group_size", group_size)
+    qo = _int_array(qo_lens, "qo_lens")
+    kv = _int_array(kv_lens, "kv_lens")
+    bounds = bounds or PlanBounds()
+    if qo.shape == kv.shape:  # plan_batch reports the other problems
+        _check_bound(bounds.max_batch_size, "max_batch_size", qo.shape[0], "requests")
+        _check_bound(bounds.max_total_q, "max_total_q", int(qo.sum()), "query tokens")
+    to_prefill = qo * group_size > prefill_min_rows
+    per_list = PlanBounds(max_work_items=bounds.max_work_items)
+    common = dict(num_kv_heads=num_kv_heads, group_size=group_size, min_kv_chunk=min_kv_chunk,
+                  kv_chunk_size=kv_chunk_size, bounds=per_list)
+    dec = plan_batch(np.where(to_prefill, 0, qo), kv, rows_per_tile=decode.rows_per_tile,
+                     num_ctas=decode.num_ctas, kv_align=decode.kv_align, **common)
+    pre = plan_batch(np.where(to_prefill, qo, 0), kv, rows_per_tile=prefill.rows_per_tile,
+                     num_ctas=prefill.num_ctas, kv_align=prefill.kv_align, **common)
+    # Each sub-plan's qo_lens are the queries its list covers (0 for the other kernel's
+    # requests). The prefill list's partial rows follow the decode list's.
+    shift = dec.num_partial_rows
+    pre = replace(pre, work_partial=_frozen(
+        np.where(pre.work_partial >= 0, pre.work_partial.astype(np.int64) + shift, -1)))
+    num_partial_rows = dec.num_partial_rows + pre.num_partial_rows
+    _check_bound(bounds.max_partial_rows, "max_partial_rows", num_partial_rows,
+                 "partial rows (split-KV states)")
+    merge_count = dec.merge_count + pre.merge_count
+    _check_bound(bounds.max_merge_rows, "max_merge_rows", merge_count, "merge rows")
+    indptr = np.concatenate((dec.merge_indptr, pre.merge_indptr[1:] + dec.merge_indptr[-1]))
+    # A sub-plan numbers merge tokens from its own qo_lens (the other kernel's requests have
+    # none there): move them to the batch's token numbering.
+    qo_start = np.cumsum(qo) - qo
+    tokens = []
+    for sub in (dec, pre):
+        sub_start = np.cumsum(sub.qo_lens) - sub.qo_lens
+        tokens.append(sub.merge_token + (qo_start - sub_start)[sub.merge_request])
+    return BatchPlan(
+        decode=dec, prefill=pre, merge_count=merge_count,
+        merge_indptr=_frozen(indptr),
+        merge_slots=_frozen(np.concatenate((dec.merge_slots,
+                                            pre.merge_slots.astype(np.int64) + shift))),
+        merge_token=_frozen(np.concatenate(tokens)),
+        merge_head=_frozen(np.concatenate((dec.merge_head, pre.merge_head))),
+        merge_request=_frozen(np.concatenate((dec.merge_request, pre.merge_request))),
+        num_partial_rows=num_partial_rows,
+    )
+
+
+def worst_case_mixed_bounds(*, max_batch_size: int, max_total_q: int, num_kv_heads: int,
+                            group_size: int, decode: Tiling, prefill: Tiling) -> PlanBounds:
+    """Capacities no batch within (max_batch_size, max_total_q) exceeds in `plan_mixed` with
+    the automatic chunk bound: each list is a plan_batch over a sub-batch, so
+    `worst_case_bounds` holds for it; work items are per list (the larger of the two), partial
+    and merge rows add up (merge rows also never exceed one per (token, head))."""
+    dec, pre = (worst_case_bounds(max_batch_size=max_batch_size, max_total_q=max_total_q,
+                                  num_kv_heads=num_kv_heads, group_size=group_size,
+                                  rows_per_tile=t.rows_per_tile, num_ctas=t.num_ctas)
+                for t in (decode, prefill))
+    return PlanBounds(
+        max_batch_size=max_batch_size, max_total_q=max_total_q,
+        max_work_items=max(dec.max_work_items, pre.max_work_items),
+        max_partial_rows=dec.max_partial_rows + pre.max_partial_rows,
+        max_merge_rows=min(max_total_q * num_kv_heads * group_size,
+                           dec.max_merge_rows + pre.max_merge_rows),
+    )

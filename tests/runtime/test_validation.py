@@ -290,7 +290,7 @@ def _arg_kind(decl: str) -> type:
 
 
 @pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
-@pytest.mark.parametrize("kind", ["decode", "merge"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "merge"])
 def test_kernel_args_match_the_rendered_entry(path, kind):
     from attnlang.pipeline import generate_source
 
@@ -315,6 +315,9 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
     assert named["out"] == 4 and named["partial_lse"] == ws["partial_lse"]
     if kind == "decode":
         assert named["q"] == 1 and named["work_partial"] == ws["work_partial"]
+    elif kind == "prefill":  # the same arguments, its own work list
+        assert named["q"] == 1 and named["work_partial"] == ws["prefill_work_partial"]
+        assert named["work_indptr"] == ws["prefill_work_indptr"]
     else:
         assert named["merge_count"] == ws["merge_count"]
         assert named["merge_slots"] == ws["merge_slots"]
@@ -322,7 +325,7 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
 
 def test_kernel_args_rejects_unknown_kind():
     with pytest.raises(ValueError, match="unknown kernel kind"):
-        A.kernel_args("prefill", q=0, k_cache=0, v_cache=0, out=0, lse=0, ws={}, num_heads=1,
+        A.kernel_args("encode", q=0, k_cache=0, v_cache=0, out=0, lse=0, ws={}, num_heads=1,
                       num_kv_heads=1, page_size=1, sm_scale=1.0, params=())
 
 

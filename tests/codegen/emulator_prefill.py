@@ -1,0 +1,177 @@
+"""The rendered prefill kernel (with decode and merge, as BatchAttention plans them) on the CPU.
+
+Builds on tests/codegen/emulator.py (threads, barriers, shuffles, cp.async, half/bf16): this
+module adds the prefill kernel's warp collectives (emulator_prefill_shim.h: ldmatrix, mma,
+ballot), maps its inline PTX onto them, and plans with `planner.plan_mixed`, so a mixed batch
+runs each request in the kernel the runtime would pick.
+
+What this checks beyond the decode emulation: mma / ldmatrix fragment indexing, the
+swizzled shared-memory layouts, Q in registers or shared memory, tile skipping (mask_tile,
+the tile cursor, per-warp refinement), the online softmax on fragments, both epilogues, the
+mixed plan's two work lists and their shared partial states. Not: timing, bank conflicts.
+
+    r = run_case(attnlang.load("examples/causal.attn"), workdir, qo_lens=(40, 1),
+                 kv_lens=(90, 33), kv_chunk_size=40)
+    r.rel_err, r.decode_items, r.prefill_items
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from attnlang import ir, reference
+from attnlang.codegen.config import launch_config
+from attnlang.codegen.lower import lower
+from attnlang.codegen.render import render
+from attnlang.runtime.planner import Tiling, plan_mixed
+from tests.codegen import emulator as base
+
+SHIM = Path(__file__).with_name("emulator_prefill_shim.h")
+available = base.available
+
+_LDMATRIX = re.compile(r'asm volatile\("ldmatrix\.sync\.aligned\.m8n8\.x4(\.trans)?\.shared\.b16'
+                       r'.*?\);', re.S)
+_MMA = re.compile(r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.'
+                  r'.*?\);', re.S)
+_SMEM_U32 = "return static_cast<unsigned>(__cvta_generic_to_shared(ptr));"
+
+
+def _emulated_source(src: str, kind: str) -> str:
+    src, n_ld = _LDMATRIX.subn(
+        lambda m: f"emu_ldmatrix(r, smem_addr, {'true' if m.group(1) else 'false'});", src)
+    src, n_mma = _MMA.subn(
+        lambda m: f"emu_mma<{'true' if m.group(1) == 'bf16' else 'false'}>(c, a, b0, b1);", src)
+    assert n_ld == 2 and n_mma == 2, "common.cuh's mma section changed; update the emulator"
+    assert _SMEM_U32 in src, "common.cuh's smem_u32 changed; update the emulator"
+    src = src.replace(_SMEM_U32, "return (unsigned)((const unsigned char*)ptr - emu_smem());")
+    src = src.replace("extern __shared__ __align__(128) unsigned char smem[];",
+                      "extern __shared__ __align__(16) unsigned char smem[];")
+    out = base._emulated_source(src, kind)
+    include = f'#include "{base.SHIM}"'
+    return out.replace(include, f'{include}\n#include "{SHIM}"', 1)
+
+
+def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path) -> Path:
+    """The emulator executable of one kernel (cached in bin_dir by source hash)."""
+    src = _emulated_source(render(hooks, kind, dtype, head_dim), kind)
+    digest = hashlib.sha256(
+        (src + base.SHIM.read_text() + SHIM.read_text()).encode()).hexdigest()[:16]
+    exe = bin_dir / f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{digest}"
+    if not exe.exists():
+        bin_dir.mkdir(parents=True, exist_ok=True)
+        cpp = exe.with_suffix(".cpp")
+        cpp.write_text(src)
+        r = subprocess.run(["g++", "-std=c++17", "-O1", "-pthread", "-w", "-o", str(exe),
+                            str(cpp)], capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"g++ failed on {cpp}:\n{r.stderr[:4000]}")
+    return exe
+
+
+@dataclass(frozen=True)
+class Result:
+    rel_err: float  # ||out - ref|| / ||ref||
+    lse_err: float | None  # max |lse - ref| over finite rows (None: softmax off)
+    lse_finite_matches: bool  # lse is finite exactly where the reference's is, else -inf
+    has_nan: bool
+    decode_items: int
+    prefill_items: int
+    merge_rows: int
+
+
+def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim: int = 64,
+             num_heads: int = 4, num_kv_heads: int = 2, qo_lens=(40, 1), kv_lens=(90, 33),
+             page_size: int = 16, num_ctas: int = 3, kv_chunk_size: int | None = None,
+             sm_scale: float | None = None, eager: bool = False, seed: int = 0) -> Result:
+    """Plan a random paged batch with plan_mixed, run decode / prefill / merge emulated (each
+    only if it has work), compare with the reference. Outputs and partials start as NaN."""
+    rng = np.random.default_rng(seed)
+    group = num_heads // num_kv_heads
+    qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
+    total_q = int(qo_lens.sum())
+    pages = [-(-int(n) // page_size) for n in kv_lens]
+    total_pages = sum(pages) + 3
+    kv_indices = rng.permutation(total_pages)[:sum(pages)].astype(np.int32)
+    kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    last = np.array([int(n) - (p - 1) * page_size if p else 0
+                     for n, p in zip(kv_lens, pages, strict=True)], np.int32)
+    qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    q_bits, q = base._to_bits(rng.standard_normal((total_q, num_heads, head_dim)), dtype)
+    cache_shape = (total_pages, page_size, num_kv_heads, head_dim)
+    k_bits, k = base._to_bits(rng.standard_normal(cache_shape), dtype)
+    v_bits, vv = base._to_bits(rng.standard_normal(cache_shape), dtype)
+    sizes = {"heads": num_heads, "kv_heads": num_kv_heads, "batch": len(qo_lens),
+             "dim": head_dim}
+    params = base._params(v, rng, sizes, kv_lens, None)
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
+    ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
+                                               last, params=params, sm_scale=scale)
+
+    hooks = lower(v)
+    cfgs = {kind: launch_config(kind, head_dim, group, dtype) for kind in ("decode", "prefill")}
+    plan = plan_mixed(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
+                      **{kind: Tiling(c.rows_per_tile, num_ctas, c.kv_tile)
+                         for kind, c in cfgs.items()},
+                      kv_chunk_size=kv_chunk_size)
+    nan16 = np.uint16(0x7FFF if dtype == "float16" else 0x7FC0)
+    partial_rows = max(1, plan.num_partial_rows)
+    state = {
+        "out": np.full((total_q, num_heads, head_dim), nan16, np.uint16),
+        "lse": np.full((total_q, num_heads), np.nan, np.float32),
+        "partial_o": np.full((partial_rows, head_dim), np.nan, np.float32),
+        "partial_lse": np.full((partial_rows,), np.nan, np.float32),
+    }
+    scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
+               "sm_scale": scale}
+    tensor_params = {}
+    for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
+        if spec.is_tensor:
+            tensor_params[kp.name] = np.asarray(
+                params[spec.name], np.float32 if spec.type is ir.FLOAT else np.int32)
+        else:
+            scalars[kp.name] = params[spec.name]
+    bin_dir = workdir / "bin"
+    for kind, sub in (("decode", plan.decode), ("prefill", plan.prefill)):
+        if sub.num_work_items == 0:
+            continue
+        arrays = {
+            "q": q_bits, "k_cache": k_bits, "v_cache": v_bits, **state,
+            "qo_indptr": qo_indptr, "kv_indptr": kv_indptr,
+            "kv_indices": kv_indices if len(kv_indices) else np.zeros(1, np.int32),
+            "kv_last_page_len": last,
+            **{name: a.astype(np.int32) for name, a in sub.work_arrays().items()},
+            **tensor_params,
+        }
+        res = base._launch(build(hooks, kind, dtype, head_dim, bin_dir), workdir / "run",
+                           arrays, scalars, num_ctas, cfgs[kind], eager)
+        state = {name: res[name] for name in state}
+    if plan.merge_count:
+        arrays = {
+            "merge_count": np.array([plan.merge_count], np.int32), **state,
+            "qo_indptr": qo_indptr, "kv_indptr": kv_indptr, "kv_last_page_len": last,
+            **{name: a.astype(np.int32) for name, a in plan.merge_arrays().items()},
+            **tensor_params,
+        }
+        res = base._launch(build(hooks, "merge", dtype, head_dim, bin_dir), workdir / "run",
+                           arrays, scalars, 2, launch_config("merge", head_dim, group, dtype),
+                           eager)
+        state.update(out=res["out"], lse=res["lse"])
+
+    o, lse = base._from_bits(state["out"], dtype), state["lse"]
+    has_nan = bool(np.isnan(o).any() or (ref_lse is not None and np.isnan(lse).any()))
+    rel_err = float(np.linalg.norm(o - ref_o) / max(np.linalg.norm(ref_o), 1e-30))
+    lse_err, finite_ok = None, True
+    if ref_lse is not None:
+        finite = np.isfinite(ref_lse)
+        finite_ok = bool((np.isfinite(lse) == finite).all()
+                         and (lse[~finite] == -np.inf).all())
+        lse_err = float(np.abs(lse[finite] - ref_lse[finite]).max()) if finite.any() else 0.0
+    return Result(rel_err, lse_err, finite_ok, has_nan, plan.decode.num_work_items,
+                  plan.prefill.num_work_items, plan.merge_count)

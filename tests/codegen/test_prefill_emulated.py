@@ -1,0 +1,63 @@
+"""The rendered prefill kernel run on the CPU (tests/codegen/emulator_prefill.py) against the
+NumPy reference, in mixed plans with the decode and merge kernels. A few small cases, so CI
+stays quick; each runs a kernel whose every mma is a warp-wide exchange between threads.
+
+Tolerances are LANGUAGE.md section 7's (relative L2 error: 1e-2 bf16, 2e-3 fp16); lse is
+compared where finite and must be -inf exactly where the reference's is; nothing may be NaN.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import attnlang
+from tests.codegen import emulator_prefill
+from tests.variant_files import ROOT
+
+_PROBLEM = emulator_prefill.available()
+pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulator: {_PROBLEM}")
+
+TOL = {"bfloat16": 1e-2, "float16": 2e-3}
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("emulator_prefill")
+
+
+CASES = {
+    # A decode request ahead of split prefill requests: two work lists, shared partial rows,
+    # one merge (the merge tokens must use the batch's numbering).
+    "mixed-split": ("examples/gemma2_local.attn",
+                    dict(qo_lens=(37, 1, 70), kv_lens=(101, 50, 70), kv_chunk_size=40)),
+    # GQA 8, fp16, page size 1, logits + mask hooks with tensor params, copies at issue.
+    "alibi-gqa8": ("examples/alibi.attn",
+                   dict(dtype="float16", num_heads=16, num_kv_heads=2, qo_lens=(9, 3),
+                        kv_lens=(150, 9), page_size=1, eager=True)),
+    # head_dim 256 (Q re-read from shared memory), query/key hooks, an output hook: rope +
+    # reductions, softmax off.
+    "rope-norm-256": ("tests/variants/rope_norm_window.attn",
+                      dict(head_dim=256, num_heads=2, num_kv_heads=2, qo_lens=(20,),
+                           kv_lens=(90,), page_size=7)),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_prefill_emulated(name, workdir):
+    path, kwargs = CASES[name]
+    r = emulator_prefill.run_case(attnlang.load(ROOT / path), workdir / name, **kwargs)
+    assert r.prefill_items > 0
+    assert not r.has_nan, r
+    assert r.rel_err <= TOL[kwargs.get("dtype", "bfloat16")], r
+    if r.lse_err is not None:
+        assert r.lse_finite_matches and r.lse_err <= 5e-3, r
+
+
+def test_rows_that_see_no_key(workdir):
+    # The last query of a prompt sees no key, every row of the second request none at all:
+    # o = 0, lse = -inf, never NaN.
+    v = attnlang.parse("variant future\nmask = kv_pos > q_pos and kv_pos < 60\n",
+                       filename="future.attn")
+    r = emulator_prefill.run_case(v, workdir / "future", qo_lens=(40, 20), kv_lens=(40, 90),
+                                  sm_scale=-0.3)
+    assert not r.has_nan and r.lse_finite_matches and r.rel_err <= TOL["bfloat16"], r

@@ -1,0 +1,91 @@
+"""The prefill kind: rendering, its launch shape, and its sources through NVRTC.
+
+Every variant renders a prefill source with exactly the decode kernel's arguments (the
+runtime launches both kinds alike), and compiles for sm_90a at bf16 / head_dim 128 with no
+spills and no stack frame; qk_norm (reductions and rope in two vector hooks: the heaviest on
+registers) also over every dtype x head_dim x {sm_90a, sm_80}.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from attnlang.codegen import config
+from attnlang.codegen.lower import LINE_RESET, lower
+from attnlang.codegen.render import generated_name, render
+from tests.codegen.test_render import DECODE_ARGS, _toolchain_problem, by_id, entry_args, load
+from tests.variant_files import VARIANT_FILES, VARIANT_IDS
+
+_PROBLEM = _toolchain_problem()
+needs_nvrtc = pytest.mark.skipif(
+    _PROBLEM is not None, reason=f"needs NVRTC and CUDA headers: {(_PROBLEM or '')[:200]}")
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+def test_prefill_source_takes_the_decode_arguments(path):
+    hooks = lower(load(path))
+    src = render(hooks, "prefill", "bfloat16", 128)
+    includes = re.findall(r"^\s*#\s*include\s*(.*)$", src, re.M)
+    assert includes == ["<cuda_fp16.h>", "<cuda_bf16.h>"]
+    assert "{{" not in src and "{%" not in src and LINE_RESET not in src
+    assert "namespace variant {" in src and "constexpr int kHeadDim = 128;" in src
+    args = entry_args(src, "prefill")
+    assert [name for _, name in args] == DECODE_ARGS + [p.name for p in hooks.kernel_params]
+    decode = entry_args(render(hooks, "decode", "bfloat16", 128), "decode")
+    assert args == decode
+
+
+def test_prefill_template_lists_what_it_splices():
+    from pathlib import Path
+
+    from attnlang import paths
+
+    text = (Path(paths.templates_dir()) / "prefill.cu.j2").read_text()
+    header = text.split("-#}")[0]
+    for name in set(re.findall(r"{{\s*(\w+)\s*}}", text)):
+        assert name in header, f"prefill.cu.j2 splices '{name}' without listing it"
+
+
+def test_launch_config_prefill():
+    cfg = config.launch_config("prefill", 128, 4)
+    assert cfg == config.LaunchConfig((128, 1, 1), 64, 81920, 64)
+    assert cfg.needs_smem_opt_in
+    for head_dim in config.HEAD_DIMS:
+        for dtype in config.DTYPES:
+            shape = config.template_shape("prefill", head_dim, dtype)
+            for group in (1, 3, 4, 8, 64):
+                cfg = config.launch_config("prefill", head_dim, group, dtype)
+                warps = cfg.threads // 32
+                assert cfg.block == (shape.max_threads, 1, 1) and cfg.threads % 32 == 0
+                assert cfg.rows_per_tile == 16 * warps  # each warp owns 16 fused rows
+                assert cfg.kv_tile == shape.kv_tile and shape.kv_tile % 16 == 0
+                kv_bytes = 2 * shape.stages * shape.kv_tile * head_dim * 2  # K and V stages
+                q_bytes = cfg.rows_per_tile * head_dim * 2
+                assert cfg.smem_bytes == kv_bytes + q_bytes
+                assert cfg.rows_per_tile * head_dim * 4 <= cfg.smem_bytes  # fp32 O staging
+                # Two CTAs per SM fit the H100's 228 KB.
+                assert 2 * (cfg.smem_bytes + 1024) <= 228 * 1024
+
+
+_MATRIX = [(v, "bfloat16", 128, "sm_90a") for v in VARIANT_IDS]
+_MATRIX += [("qk_norm", d, hd, a) for d in config.DTYPES for hd in config.HEAD_DIMS
+            for a in ("sm_90a", "sm_80") if (d, hd, a) != ("bfloat16", 128, "sm_90a")]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant, dtype, head_dim, arch", _MATRIX,
+                         ids=["-".join(map(str, m)) for m in _MATRIX])
+def test_prefill_compiles_without_spills(variant, dtype, head_dim, arch):
+    from attnlang.runtime.compiler import compile_source
+
+    hooks = lower(load(by_id(variant)))
+    src = render(hooks, "prefill", dtype, head_dim)
+    cubin = compile_source(src, arch, name=generated_name(hooks, "prefill"),
+                           label=f"{variant} prefill {dtype} d{head_dim}")
+    (info,) = [f for f in cubin.functions if f.name == "prefill"]
+    assert info.spill_stores == 0 and info.spill_loads == 0, cubin.log
+    assert info.stack_bytes == 0, cubin.log
+    shape = config.template_shape("prefill", head_dim, dtype)
+    assert info.registers <= min(255, 65536 // (shape.max_threads * shape.min_blocks))

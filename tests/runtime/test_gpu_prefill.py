@@ -1,0 +1,279 @@
+"""The prefill kernel (tensor cores) through BatchAttention, against the NumPy reference.
+
+Requests with more than PREFILL_MIN_ROWS fused rows (qo_len * group) run in the prefill
+kernel; the plan asserts they did. Every variant of the zoo in both dtypes over long ragged
+queries (two requests, qo_len 200..700 over up to 1500 keys), head_dim 64/128/256, page sizes
+1/16/64 and GQA 1/4/8 (each (dtype, head_dim, page_size, group) triple once, so every pair of
+values meets), half of them with forced KV splits (partial states + merge). Then the places
+tile skipping can go wrong: lengths that are not multiples of the tiles, windows and sinks
+straddling tiles, chunked prefill (qo_len < kv_len), rows that see no key, negative and zero
+sm_scale, a mixed decode + prefill plan, CUDA-graph replay across plans, determinism.
+
+Tolerance (LANGUAGE.md section 7): relative L2 error <= 1e-2 (bf16), <= 2e-3 (fp16); the
+largest error per dtype is recorded (tests/conftest.py, error_log).
+"""
+
+from __future__ import annotations
+
+import itertools
+import zlib
+
+import numpy as np
+import pytest
+
+import attnlang
+from attnlang.reference import attention_paged
+from attnlang.runtime.planner import PREFILL_MIN_ROWS
+from tests.runtime.test_gpu_attention import (
+    SHORT,
+    TOLERANCE,
+    VARIANT_PATHS,
+    check_lse,
+    from_device,
+    make_batch,
+    make_params,
+    poisoned,
+    rel_l2,
+    to_device,
+)
+from tests.variant_files import VARIANT_IDS
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def run_and_check(cp, variant, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype,
+                  page_size, seed, error_log, where, kv_chunk_size=None, sm_scale=None,
+                  expect_prefill=True, expect_decode=None, **kwargs):
+    """Build a batch, plan it, run it, compare out and lse with the reference. Returns the
+    plan and the device output (for further checks)."""
+    rng = np.random.default_rng(seed)
+    qo, kv = np.asarray(qo), np.asarray(kv)
+    batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
+    params = make_params(variant, rng, qo, kv, num_qo_heads, num_kv_heads, head_dim)
+    ref_o, ref_lse = attention_paged(variant, batch.q, batch.k_cache, batch.v_cache,
+                                     *batch.table, params=params, sm_scale=sm_scale)
+    kwargs.setdefault("max_batch_size", max(4, len(qo)))
+    kwargs.setdefault("max_total_q", max(16, int(qo.sum())))
+    kwargs.setdefault("max_kv_indices", max(1 << 12, int(batch.kv_indices.shape[0])))
+    if kv_chunk_size is not None:
+        kwargs.setdefault("max_work_items", 1 << 16)
+        kwargs.setdefault("max_partial_rows", 1 << 18)
+        kwargs.setdefault("max_merge_rows", 1 << 17)
+    attn = attnlang.BatchAttention(variant, num_qo_heads, num_kv_heads, head_dim, dtype=dtype,
+                                   page_size=page_size, **kwargs)
+    plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size)
+    assert (plan.prefill.num_work_items > 0) == expect_prefill, "prefill kernel dispatch"
+    if expect_decode is not None:
+        assert (plan.decode.num_work_items > 0) == expect_decode, "decode kernel dispatch"
+    q = to_device(cp, batch.q, dtype)
+    kc = to_device(cp, batch.k_cache, dtype)
+    vc = to_device(cp, batch.v_cache, dtype)
+    out = poisoned(cp, q.shape, dtype)
+    got, lse = attn.run(q, (kc, vc), params, out=out, return_lse=True, sm_scale=sm_scale)
+    got_host = from_device(cp, got, dtype)
+    assert not np.isnan(got_host).any(), "rows left unwritten (still NaN)"
+    err = rel_l2(got_host, ref_o)
+    error_log(dtype, err, where)
+    assert err <= TOLERANCE[dtype], f"relative L2 error {err:.2e}"
+    if variant.softmax:
+        check_lse(cp.asnumpy(lse), ref_lse)
+    return plan, got, ref_o
+
+
+# ---------------------------------------------------------------------------- the zoo
+
+_COMBOS = list(itertools.product((64, 128, 256), (1, 16, 64), (1, 4, 8)))  # head_dim, page, group
+# Case n (every variant in both dtypes: dtype = n % 2) takes combo n mod 27: with >= 27 cases
+# every (head_dim, page, group) triple occurs, and every (dtype, axis value) pair.
+_ZOO = [(variant, dtype, *_COMBOS[n % len(_COMBOS)], "forced" if n % 4 >= 2 else "auto",
+         2000 + n)
+        for n, (variant, dtype) in enumerate(itertools.product(VARIANT_IDS,
+                                                               ("bfloat16", "float16")))]
+assert len(_ZOO) < len(_COMBOS) or {c[2:5] for c in _ZOO} == set(_COMBOS)
+assert {(c[1], axis, c[2 + axis]) for c in _ZOO for axis in range(3)} == {
+    (d, axis, value) for d in ("bfloat16", "float16") for axis in range(3)
+    for value in {combo[axis] for combo in _COMBOS}}
+
+
+@pytest.mark.parametrize(
+    "variant_id, dtype, head_dim, page_size, group, split, seed", _ZOO,
+    ids=[f"{v}-{SHORT[d]}-d{hd}-p{p}-g{g}-{s}" for v, d, hd, p, g, s, _ in _ZOO])
+def test_zoo_in_prefill(cp, error_log, variant_id, dtype, head_dim, page_size, group, split,
+                        seed):
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    rng = np.random.default_rng(seed)
+    qo = np.array([rng.integers(200, 701), rng.integers(200, 701)])
+    kv = qo + np.array([rng.integers(0, 801), rng.integers(0, 301)])
+    num_kv_heads = 2
+    run_and_check(cp, variant, qo, kv, num_qo_heads=num_kv_heads * group,
+                  num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype,
+                  page_size=page_size, seed=seed, error_log=error_log,
+                  where=f"prefill {variant_id} {SHORT[dtype]} d{head_dim} p{page_size} g{group}",
+                  kv_chunk_size=320 if split == "forced" else None)
+
+
+# ---------------------------------------------------------------------------- tile skipping
+
+WINDOW_SOURCES = {
+    # A window that straddles 64-key tiles, alone and with attention sinks (streaming LLM),
+    # and a bounded prefix: tile classes 0, 1 and 2 all occur, in every position.
+    "window100": ("variant w100\nconst window: int = 100\n"
+                  "mask = causal and q_pos - kv_pos < window\n"),
+    "sinks": ("variant sinks\nconst window: int = 77\n"
+              "mask = causal and (kv_pos < 5 or q_pos - kv_pos < window)\n"),
+    "band": "variant band\nmask = kv_pos >= q_pos - 130 and kv_pos <= q_pos - 40\n",
+    "future": "variant future\nmask = kv_pos > q_pos\n",  # the last query of a prompt sees nothing
+    "never": "variant never\nmask = kv_pos < 0\n",  # every row fully masked: o = 0, lse = -inf
+    "prefix": "variant pre\nconst c: int = 70\nmask = kv_pos < c or causal\n",
+}
+
+# (qo_lens, kv_lens): pure prompts with lengths around tile multiples, chunked prefill
+# (queries behind a longer KV), and an empty request.
+SKIP_LENGTHS = [
+    ((17, 63, 64, 65), (17, 63, 64, 65)),
+    ((129, 200), (129, 1001)),
+    ((300, 0, 250), (1300, 7, 250)),
+]
+
+
+@pytest.mark.parametrize("name", list(WINDOW_SOURCES) + ["causal", "sliding_window"])
+@pytest.mark.parametrize("lengths", range(len(SKIP_LENGTHS)))
+@pytest.mark.parametrize("dtype, head_dim, group, page_size", [
+    ("bfloat16", 128, 1, 16), ("float16", 64, 4, 1), ("bfloat16", 256, 8, 64)])
+def test_tile_skipping_boundaries(cp, error_log, name, lengths, dtype, head_dim, group,
+                                  page_size):
+    if name in WINDOW_SOURCES:
+        variant = attnlang.parse(WINDOW_SOURCES[name], filename=f"{name}.attn")
+    else:
+        variant = attnlang.load(VARIANT_PATHS[name])
+    qo, kv = SKIP_LENGTHS[lengths]
+    run_and_check(cp, variant, qo, kv, num_qo_heads=2 * group, num_kv_heads=2,
+                  head_dim=head_dim, dtype=dtype, page_size=page_size,
+                  seed=zlib.crc32(name.encode()) % 1000 + lengths, error_log=error_log,
+                  where=f"skip {name} {qo}/{kv} {SHORT[dtype]} d{head_dim} g{group}",
+                  expect_prefill=True)
+
+
+@pytest.mark.parametrize("chunk", [64, 100, 333])
+def test_tile_skipping_with_split_kv(cp, error_log, chunk):
+    """KV chunks that start mid-tile and items whose chunk is fully masked."""
+    variant = attnlang.parse(WINDOW_SOURCES["sinks"], filename="sinks.attn")
+    run_and_check(cp, variant, (260, 90), (900, 400), num_qo_heads=8, num_kv_heads=2,
+                  head_dim=128, dtype="bfloat16", page_size=16, seed=chunk,
+                  error_log=error_log, where=f"split sinks chunk {chunk}", kv_chunk_size=chunk)
+
+
+@pytest.mark.parametrize("sm_scale", [-0.2, 0.0, 0.3])
+@pytest.mark.parametrize("variant_id", ["causal", "softcap", "flash_sigmoid"])
+def test_sm_scale_sign_and_zero(cp, error_log, sm_scale, variant_id):
+    """The kernel folds |sm_scale| log2(e) into the exp2 and the sign into Q."""
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    run_and_check(cp, variant, (150, 70), (400, 70), num_qo_heads=4, num_kv_heads=2,
+                  head_dim=64, dtype="float16", page_size=16, seed=5, error_log=error_log,
+                  where=f"sm_scale {sm_scale} {variant_id}", sm_scale=sm_scale)
+
+
+def test_threshold_dispatch(cp, error_log):
+    """qo_len * group == PREFILL_MIN_ROWS stays in decode; one more row goes to prefill."""
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    group = 4
+    at = PREFILL_MIN_ROWS // group
+    plan, _, _ = run_and_check(
+        cp, variant, (at, at + 1), (300, 300), num_qo_heads=2 * group, num_kv_heads=2,
+        head_dim=128, dtype="bfloat16", page_size=16, seed=9, error_log=error_log,
+        where="threshold", expect_decode=True)
+    assert set(plan.decode.work_request.tolist()) == {0}
+    assert set(plan.prefill.work_request.tolist()) == {1}
+
+
+@pytest.mark.parametrize("split", [None, 200])
+def test_mixed_decode_and_prefill_batch(cp, error_log, split):
+    """Decode requests (qo_len 1, and a few speculative tokens) and prefill requests in one
+    plan: both kernels run, both may split, one merge serves them."""
+    variant = attnlang.load(VARIANT_PATHS["gemma2_local"])
+    qo = (1, 300, 3, 1, 90, 1)
+    kv = (1700, 800, 40, 1, 90, 640)
+    plan, _, _ = run_and_check(
+        cp, variant, qo, kv, num_qo_heads=16, num_kv_heads=2, head_dim=128,
+        dtype="bfloat16", page_size=16, seed=13, error_log=error_log,
+        where=f"mixed split={split}", kv_chunk_size=split, expect_decode=True)
+    assert set(plan.prefill.work_request.tolist()) == {1, 4}
+    if split is not None:
+        assert plan.decode.num_split_requests > 0 and plan.prefill.num_split_requests > 0
+
+
+# ---------------------------------------------------------------------------- runtime
+
+
+def test_cuda_graph_replay_across_plans(cp):
+    """Capture a decode-only plan; re-plan a mixed batch; the replay runs the prefill kernel
+    too (every kernel is captured) and matches a plain run bit for bit."""
+    from attnlang.runtime.paged import indptr_from_lengths
+
+    variant = attnlang.load(VARIANT_PATHS["softcap"])
+    dtype, hq, hkv, d, ps = "bfloat16", 8, 2, 128, 16
+    rng = np.random.default_rng(31)
+    kv = np.array([50, 700, 300])
+    pool = make_batch(rng, np.zeros(3, int), kv, hq, hkv, d, ps, dtype)
+    pages = [pool.kv_indices[pool.kv_indptr[i]:pool.kv_indptr[i + 1]] for i in range(3)]
+
+    def table(requests, qo):
+        page_lists = [pages[i] for i in requests]
+        return (indptr_from_lengths(qo), indptr_from_lengths([len(p) for p in page_lists]),
+                np.concatenate(page_lists), pool.kv_last_page_len[requests])
+
+    qo_b = [1, 400, 300]
+    table_a, table_b = table([0], [1]), table([0, 1, 2], qo_b)
+    total_b = sum(qo_b)
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, dtype, ps, max_batch_size=4,
+                                   max_total_q=total_b)
+    kc, vc = to_device(cp, pool.k_cache, dtype), to_device(cp, pool.v_cache, dtype)
+    q_buf = to_device(cp, np.asarray(rng.standard_normal((total_b, hq, d)), np.float32), dtype)
+    out_buf = poisoned(cp, (total_b, hq, d), dtype)
+    lse_buf = cp.zeros((total_b, hq), dtype=np.float32)
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        assert attn.plan(*table_a).prefill.num_work_items == 0
+        attn.run(q_buf[:1], (kc, vc), out=out_buf[:1], lse=lse_buf[:1])
+        stream.synchronize()
+        stream.begin_capture()
+        attn.run(q_buf[:1], (kc, vc), out=out_buf[:1], lse=lse_buf[:1])
+        graph = stream.end_capture()
+
+        plan_b = attn.plan(*table_b)
+        assert plan_b.prefill.num_work_items > 0 and plan_b.decode.num_work_items > 0
+        out_buf.fill(0x7FC0)  # bf16 NaN bits
+        graph.launch(stream)
+        stream.synchronize()
+        replayed = cp.asnumpy(out_buf).copy()
+        replayed_lse = cp.asnumpy(lse_buf).copy()
+        plain, plain_lse = attn.run(q_buf, (kc, vc), return_lse=True)
+        stream.synchronize()
+    assert not np.isnan(from_device(cp, cp.asarray(replayed), dtype)).any()
+    assert np.array_equal(replayed.view(np.uint16), cp.asnumpy(plain).view(np.uint16))
+    assert np.array_equal(replayed_lse, cp.asnumpy(plain_lse))
+
+
+def test_prefill_is_deterministic(cp):
+    variant = attnlang.load(VARIANT_PATHS["alibi"])
+    rng = np.random.default_rng(17)
+    qo, kv = np.array([400, 130]), np.array([1200, 130])
+    batch = make_batch(rng, qo, kv, 8, 2, 128, 16, "bfloat16")
+    params = make_params(variant, rng, qo, kv, 8, 2, 128)
+    q, kc, vc = (to_device(cp, x, "bfloat16") for x in (batch.q, batch.k_cache, batch.v_cache))
+    attn = attnlang.BatchAttention(variant, 8, 2, 128, "bf16", 16, max_batch_size=4,
+                                   max_total_q=1024, max_work_items=1 << 14,
+                                   max_partial_rows=1 << 16, max_merge_rows=1 << 15)
+    first = attn.plan(*batch.table, kv_chunk_size=256)
+    assert first.prefill.num_split_requests > 0
+    out1, lse1 = attn.run(q, (kc, vc), params, return_lse=True)
+    assert attn.plan(*batch.table, kv_chunk_size=256).same_as(first)
+    out2, lse2 = attn.run(q, (kc, vc), params, return_lse=True)
+    assert cp.array_equal(out1, out2) and cp.array_equal(lse1, lse2)
