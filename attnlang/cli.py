@@ -88,6 +88,7 @@ def show(file, kind, dtype, head_dim):
                    "one subdirectory per dtype/head-dim when several are asked for.")
 def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command's name
     """Compile every kernel of FILE with NVRTC (no GPU needed); print a table per kernel."""
+    from attnlang.codegen.config import launch_config
     from attnlang.runtime.compiler import CompileError
     from attnlang.runtime.module import compile_variant
 
@@ -102,9 +103,12 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
             click.echo(f"attnlang: error: {e}", err=True)
             sys.exit(1)
         for kind, cubin in km.cubins.items():
+            # ptxas reports static shared memory only; the kernels size theirs at launch.
+            dynamic = launch_config(kind, head_dim, 1, dtype).smem_bytes
             for fn in cubin.functions:
                 rows.append((kind, dtype, str(head_dim), cubin.arch, str(fn.registers),
-                             str(fn.shared_bytes), f"{fn.spill_stores}/{fn.spill_loads}",
+                             f"{(fn.shared_bytes + dynamic) // 1024} KiB",
+                             f"{fn.spill_stores}/{fn.spill_loads}",
                              f"{cubin.compile_seconds:.2f}s", cubin.cache,
                              str(cubin.path) if cubin.path else "-"))
         if out_dir is not None:
