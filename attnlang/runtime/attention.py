@@ -543,6 +543,39 @@ def kernel_args(kind: str, *, q: int, k_cache: int, v_cache: int, out: int, lse:
     raise ValueError(f"unknown kernel kind {kind!r}")
 
 
+class LaunchArgs:
+    """kernel_args split into what is fixed for a BatchAttention's lifetime (workspace
+    pointers, head counts, page size: built once) and what a call supplies (array pointers,
+    sm_scale, params), so run() only builds a short tuple per kernel. Example::
+
+        la = LaunchArgs(ws, num_heads=32, num_kv_heads=8, page_size=16)
+        la.args("decode", q, k, v, out, lse, sm_scale, params) == kernel_args("decode", ...)
+    """
+
+    __slots__ = ("_mid",)
+
+    def __init__(self, ws: Mapping[str, int], *, num_heads: int, num_kv_heads: int,
+                 page_size: int):
+        common = dict(q=0, k_cache=0, v_cache=0, out=0, lse=0, ws=ws, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, page_size=page_size, sm_scale=0.0, params=())
+        self._mid = {}
+        for kind in ("decode", "prefill"):
+            full = kernel_args(kind, **common)
+            self._mid[kind] = full[5:-1]  # workspace pointers .. page_size
+        merge = kernel_args("merge", **common)
+        self._mid["merge"] = (merge[:6], merge[8:-1])
+
+    def args(self, kind: str, q: int, k_cache: int, v_cache: int, out: int, lse: int,
+             sm_scale: float, params: Sequence[tuple[ir.ParamSpec, Any]]) -> tuple:
+        ptr = np.uint64
+        tail = (np.float32(sm_scale),
+                *(ptr(v.ptr) if isinstance(v, TensorInfo) else v for _, v in params))
+        if kind == "merge":
+            head, mid = self._mid["merge"]
+            return head + (ptr(out), ptr(lse)) + mid + tail
+        return (ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(lse)) + self._mid[kind] + tail
+
+
 # ---------------------------------------------------------------------------- the runtime
 
 
@@ -639,6 +672,12 @@ class BatchAttention:
                 arch = env.arch() or ("sm_90a" if native == "sm_90" else native)
             self.module = compile_variant(variant_or_module, head_dim=self.shape.head_dim,
                                           dtype=self.shape.dtype, arch=arch)
+        # The IR mask trims each work unit's KV range at plan time (planner._trim). A module
+        # loaded from disk (load_compiled) carries no IR: its plans cover the whole KV range
+        # and the kernels skip the EMPTY tiles themselves.
+        variant = (variant_or_module if isinstance(variant_or_module, ir.Variant)
+                   else getattr(self.module, "variant", None))
+        self._mask = variant.mask if variant is not None else None
         s = self.shape
         self._decode_cfg = launch_config("decode", s.head_dim, s.group_size, s.dtype)
         self._prefill_cfg = launch_config("prefill", s.head_dim, s.group_size, s.dtype)
@@ -699,6 +738,16 @@ class BatchAttention:
         self._ws = {name: base + 4 * off for name, off in self._layout.offsets.items()}
         self._ws["partial_o"] = self._partial_o.data.ptr
         self._ws["partial_lse"] = self._partial_lse.data.ptr
+        # Per-call constants of run(): fixed kernel-argument parts and launch dimensions.
+        self._launch_args = LaunchArgs(self._ws, num_heads=s.num_qo_heads,
+                                       num_kv_heads=s.num_kv_heads, page_size=s.page_size)
+        self._launch_dims = {
+            kind: ((int(grid), 1, 1), _block3(cfg.block), int(cfg.smem_bytes))
+            for kind, grid, cfg in (("decode", self.num_ctas, self._decode_cfg),
+                                    ("prefill", self.num_prefill_ctas, self._prefill_cfg),
+                                    ("merge", self._merge_grid, self._merge_cfg))}
+        self._run_key: tuple | None = None  # validate_run_inputs memo (see run())
+        self._run_args: RunInputs | None = None
         self._plan: BatchPlan | None = None
         self._inputs: PlanInputs | None = None
 
@@ -748,6 +797,7 @@ class BatchAttention:
             inputs.qo_lens, inputs.kv_lens, num_kv_heads=self.shape.num_kv_heads,
             group_size=self.shape.group_size, **self._tilings,
             kv_chunk_size=kv_chunk_size, bounds=self.bounds,
+            mask=self._mask, head_dim=self.shape.head_dim,
         )
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
@@ -788,30 +838,44 @@ class BatchAttention:
             raise RuntimeError("call plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len) "
                                "before run()")
         inputs = self._inputs
-        args = validate_run_inputs(self.shape, self.module.params, inputs, q, kv_cache,
-                                   params, out=out, lse=lse, sm_scale=sm_scale,
-                                   variant_name=self.module.name)
-        if args.device != self.device:
-            raise ValueError(f"q is on device {args.device} but this BatchAttention lives on "
-                             f"device {self.device}")
+        infos, key = self._run_memo_key(q, kv_cache, params, out, lse, sm_scale)
+        memo = self._run_key
+        if key is not None and memo is not None and memo[0] is inputs and memo[1] == key:
+            # Same plan, same array descriptions (shape, dtype, strides, device, pointer),
+            # same param objects, same sm_scale: the last validation holds. Fresh infos keep
+            # the caller's objects (output type, stream), nothing else changes.
+            last = self._run_args
+            args = RunInputs(*infos, last.params, last.sm_scale, last.device)
+        else:
+            args = validate_run_inputs(self.shape, self.module.params, inputs, q, kv_cache,
+                                       params, out=out, lse=lse, sm_scale=sm_scale,
+                                       variant_name=self.module.name)
+            if args.device != self.device:
+                raise ValueError(f"q is on device {args.device} but this BatchAttention "
+                                 f"lives on device {self.device}")
+            if key is not None:
+                self._run_key, self._run_args = (inputs, key), args
         with cupy.cuda.Device(self.device):
-            arrays = [args.q, args.k_cache, args.v_cache]
-            stream = current_stream(arrays, self.device)
+            stream = current_stream([args.q, args.k_cache, args.v_cache], self.device)
             capturing = stream.is_capturing()
             # Uploaded host params stay referenced until the launches are enqueued; freed
             # after, their memory is reused only by later work of this stream (CuPy's pool is
             # stream-ordered), i.e. after the kernels have read them.
-            param_values, uploaded = [], []
-            for spec, value in args.params:
-                if isinstance(value, np.ndarray):
-                    if capturing:
-                        raise ValueError(
-                            f"param {spec.name!r} is a host array; while a CUDA graph is being "
-                            "captured pass a device array (its copy cannot be captured)")
-                    with stream:
-                        array, value = to_device_param(value, value.dtype.name, self.device)
-                    uploaded.append(array)
-                param_values.append((spec, value))
+            param_values, uploaded = args.params, []
+            if self._host_params(args.params):
+                param_values = []
+                for spec, value in args.params:
+                    if isinstance(value, np.ndarray):
+                        if capturing:
+                            raise ValueError(
+                                f"param {spec.name!r} is a host array; while a CUDA graph is "
+                                "being captured pass a device array (its copy cannot be "
+                                "captured)")
+                        with stream:
+                            array, value = to_device_param(value, value.dtype.name,
+                                                           self.device)
+                        uploaded.append(array)
+                    param_values.append((spec, value))
             out_obj, out_info = out, args.out
             if out_info is None:
                 out_obj, out_info = empty_output(args.q, args.q.shape, args.q.dtype)
@@ -822,23 +886,18 @@ class BatchAttention:
             lse_ptr = lse_info.ptr if lse_info is not None else self._lse_scratch.data.ptr
             if not capturing:
                 stream.wait_event(self._copy_done)  # plan() may have used another stream
-            common = dict(q=args.q.ptr, k_cache=args.k_cache.ptr, v_cache=args.v_cache.ptr,
-                          out=out_info.ptr, lse=lse_ptr, ws=self._ws,
-                          num_heads=self.shape.num_qo_heads,
-                          num_kv_heads=self.shape.num_kv_heads,
-                          page_size=self.shape.page_size, sm_scale=args.sm_scale,
-                          params=param_values)
+            call = (args.q.ptr, args.k_cache.ptr, args.v_cache.ptr, out_info.ptr, lse_ptr,
+                    args.sm_scale, param_values)
+            build, dims = self._launch_args.args, self._launch_dims
             # A kernel whose work list is empty has nothing to do; under capture every kernel
             # is recorded (fixed grids, fixed workspace), since a later plan() may use it.
-            if capturing or self._plan.decode.num_work_items > 0:
-                self._launch(self._decode, self.num_ctas, self._decode_cfg,
-                             kernel_args("decode", **common), stream)
-            if capturing or self._plan.prefill.num_work_items > 0:
-                self._launch(self._prefill, self.num_prefill_ctas, self._prefill_cfg,
-                             kernel_args("prefill", **common), stream)
-            if capturing or self._plan.merge_count > 0:
-                self._launch(self._merge, self._merge_grid, self._merge_cfg,
-                             kernel_args("merge", **common), stream)
+            plan = self._plan
+            for kind, fn, needed in (("decode", self._decode, plan.decode.num_work_items),
+                                     ("prefill", self._prefill, plan.prefill.num_work_items),
+                                     ("merge", self._merge, plan.merge_count)):
+                if capturing or needed > 0:
+                    grid, block, smem = dims[kind]
+                    fn(grid, block, build(kind, *call), shared_mem=smem, stream=stream)
             del uploaded
             if not capturing:
                 self._run_done.record(stream)
@@ -848,6 +907,40 @@ class BatchAttention:
         return out_obj
 
     # -- internals
+
+    @staticmethod
+    def _host_params(params) -> bool:
+        for _, v in params:
+            if isinstance(v, np.ndarray):
+                return True
+        return False
+
+    @staticmethod
+    def _run_memo_key(q, kv_cache, params, out, lse, sm_scale):
+        """(infos, key) for run()'s validation memo: infos = TensorInfo of q, k_cache,
+        v_cache, out, lse (None where absent); key None when the call must be validated in
+        full (not a (k, v) pair, not a dict, host-array params whose contents may change)."""
+        if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2 or q is None:
+            return None, None
+        if params is not None and not isinstance(params, dict):
+            return None, None
+        infos = (describe(q, "q"), describe(kv_cache[0], "k_cache"),
+                 describe(kv_cache[1], "v_cache"), _describe_opt(out, "out"),
+                 _describe_opt(lse, "lse"))
+        arrays = tuple(None if i is None else
+                       (i.shape, i.dtype, i.kind, i.device, i.strides, i.ptr) for i in infos)
+        if params:
+            for v in params.values():
+                if not isinstance(v, (numbers.Number, TensorInfo)) and (
+                        isinstance(v, (np.ndarray, list, tuple)) or not hasattr(
+                            v, "__cuda_array_interface__") and not hasattr(v, "data_ptr")):
+                    return infos, None
+            # Identity of the values (kept alive by the key, so ids stay unique); scalars are
+            # immutable, device tensors keep their pointer.
+            pkey = tuple((k, id(v), v) for k, v in params.items())
+        else:
+            pkey = ()
+        return infos, (arrays, pkey, type(sm_scale), sm_scale)
 
     @staticmethod
     def _launch(fn, grid: int, cfg, args: tuple, stream) -> None:
@@ -870,6 +963,15 @@ class BatchAttention:
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 fn.ptr, int(threads), int(cfg.smem_bytes))
         return self._num_sms() * max(1, min(int(per_sm), _MAX_CTAS_PER_SM))
+
+
+def _block3(block) -> tuple[int, int, int]:
+    b = tuple(int(x) for x in block) if isinstance(block, (tuple, list)) else (int(block),)
+    return (b + (1, 1))[:3]
+
+
+def _describe_opt(x: Any, name: str) -> TensorInfo | None:
+    return None if x is None else describe(x, name)
 
 
 def _check_module(module: KernelModule, shape: AttentionShape) -> None:

@@ -5,12 +5,16 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
 
 1. Work units. Each request's query rows are fused with the GQA group (query i, group member
    g -> fused row ``i * group_size + g``) and cut into tiles of ``rows_per_tile`` fused rows.
-   A unit is one (request, kv_head, row tile); it needs the request's whole KV sequence.
+   A unit is one (request, kv_head, row tile); it needs the request's whole KV sequence, or,
+   given the variant's mask, only the span from its first to its last KV tile that the mask
+   analysis (`mask_tiles.classify_tiles`) does not prove EMPTY for the unit's query
+   positions; its KV cost is then the positions of its non-EMPTY tiles (`_trim`).
 2. KV chunk bound. From the total KV work of all units and the CTA count:
    ``bound = max(min_kv_chunk, ceil(total_kv / num_ctas))`` rounded up to ``kv_align``.
-   A request is split iff its kv_len exceeds the bound; then every unit of it is cut into the
-   same ``n = ceil(kv_len / bound)`` chunks of equal length (at most the bound). Short requests
-   are never split, so decode batches that already fill the GPU pay no merge.
+   A unit is split iff its KV span exceeds the bound; then it is cut into
+   ``n = ceil(span / bound)`` chunks of equal length (at most the bound). Without a mask every
+   unit of a request has the same span [0, kv_len). Short units are never split, so decode
+   batches that already fill the GPU pay no merge. total_kv is the sum of the spans.
 3. Assignment. Chunks are sorted by cost (longest first; ties by creation order) and each
    goes to the CTA with the least accumulated cost (a heap; ties by CTA index). Everything is
    integer and ordered, so the same lengths always give bit-identical arrays: no atomics.
@@ -40,6 +44,7 @@ import bisect
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -229,8 +234,8 @@ def worst_case_bounds(*, max_batch_size: int, max_total_q: int, num_kv_heads: in
     """Capacities that no batch within (max_batch_size, max_total_q) can exceed when the
     chunk bound is automatic (no kv_chunk_size override).
 
-    Why they hold: every split unit has kv_len > bound >= total_kv / num_ctas and is cut into
-    ceil(kv_len / bound) < 2 kv_len / bound chunks, so all split chunks together number fewer
+    Why they hold: every split unit has a KV span > bound >= total span / num_ctas and is cut
+    into ceil(span / bound) < 2 span / bound chunks, so all split chunks together number fewer
     than 2 total_kv / bound <= 2 num_ctas, each with at most rows_per_tile partial rows; a
     merge row takes at least two of them. Unsplit units number at most
     num_kv_heads * (batch + ceil(total_q * group / rows_per_tile)).
@@ -257,6 +262,8 @@ def plan_batch(
     kv_align: int = 1,
     kv_chunk_size: int | None = None,
     bounds: PlanBounds | None = None,
+    mask: Any = None,
+    head_dim: int | None = None,
 ) -> Plan:
     """Schedule a ragged batch over `num_ctas` CTAs. Pure CPU, deterministic.
 
@@ -271,6 +278,10 @@ def plan_batch(
         kv_chunk_size: override the bound (tests force splits with a small value); used as
             given, ignoring min_kv_chunk and kv_align. Requests longer than it are split.
         bounds: workspace capacities; exceeding one raises CapacityError naming it.
+        mask, head_dim: the variant's IR mask (``ir.Variant.mask``) and the head_dim. With a
+            mask, each unit's KV range is trimmed to its first .. last KV tile that the mask
+            analysis (`classify_tiles`, params unknown) does not prove fully masked, and it is
+            costed by its non-EMPTY tiles only (see `_trim`). None: the whole [0, kv_len).
 
     Returns a Plan. Requests with qo_len == 0 produce no work. Example::
 
@@ -283,6 +294,20 @@ def plan_batch(
         _check_positive(arg, value)
     if kv_chunk_size is not None:
         _check_positive("kv_chunk_size", kv_chunk_size)
+    qo, kv = _lengths(qo_lens, kv_lens)
+    bounds = bounds or PlanBounds()
+    batch = qo.shape[0]
+    total_q = int(qo.sum())
+    _check_bound(bounds.max_batch_size, "max_batch_size", batch, "requests")
+    _check_bound(bounds.max_total_q, "max_total_q", total_q, "query tokens")
+    return _schedule(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
+                     rows_per_tile=rows_per_tile, num_ctas=num_ctas, min_kv_chunk=min_kv_chunk,
+                     kv_align=kv_align, kv_chunk_size=kv_chunk_size, bounds=bounds, mask=mask,
+                     head_dim=head_dim)
+
+
+def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Checked int64 qo_lens, kv_lens (plan_batch's Args); raises PlanError."""
     qo = _int_array(qo_lens, "qo_lens")
     kv = _int_array(kv_lens, "kv_lens")
     if qo.shape != kv.shape:
@@ -303,11 +328,18 @@ def plan_batch(
         )
     if int(kv.max(initial=0)) >= 2**31 or int(qo.sum()) >= 2**31:
         raise PlanError("lengths overflow int32: total_q and every kv_len must be < 2**31")
-    bounds = bounds or PlanBounds()
+    return qo, kv
+
+
+def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
+              kv_align, kv_chunk_size, bounds, mask, head_dim) -> Plan:
+    """plan_batch after its checks (lengths from _lengths, arguments positive)."""
     batch = qo.shape[0]
-    total_q = int(qo.sum())
-    _check_bound(bounds.max_batch_size, "max_batch_size", batch, "requests")
-    _check_bound(bounds.max_total_q, "max_total_q", total_q, "query tokens")
+    if not qo.any():  # no queries: no work (the other kernel's list of a plan_mixed)
+        return _empty_plan(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
+                           rows_per_tile=rows_per_tile, num_ctas=num_ctas,
+                           min_kv_chunk=min_kv_chunk, kv_align=kv_align,
+                           kv_chunk_size=kv_chunk_size)
 
     # 1. Units, ordered (request, kv_head, tile).
     fused = qo * group_size
@@ -321,34 +353,50 @@ def plan_batch(
     unit_row0 = unit_tile * rows_per_tile
     unit_rows = np.minimum(fused[unit_req] - unit_row0, rows_per_tile)
     unit_kv = kv[unit_req]
+    num_units = unit_req.shape[0]
 
-    # 2. The chunk bound and each request's chunk count / length (equal chunks).
+    # 1b. Each unit's KV span [span0, span1) and visible-position count (its KV cost).
+    trim = None
+    if mask is not None and num_units:
+        if head_dim is None:
+            raise PlanError("plan_batch: head_dim is required with a mask")
+        trim = _trim(mask, qo, kv, unit_req, unit_kvh, unit_row0, unit_rows, tiles,
+                     first_unit, group_size, num_kv_heads, int(head_dim), kv_align)
+        span0, span1 = trim.span0, trim.span1
+    else:
+        span0, span1 = np.zeros(num_units, dtype=np.int64), unit_kv
+    span = span1 - span0
+
+    # 2. The chunk bound and each unit's chunk count / length (equal chunks of its span).
     if kv_chunk_size is None:
-        bound = chunk_bound(int(unit_kv.sum()), num_ctas, min_kv_chunk=min_kv_chunk,
+        bound = chunk_bound(int(span.sum()), num_ctas, min_kv_chunk=min_kv_chunk,
                             kv_align=kv_align)
         align = kv_align
     else:
         bound, align = int(kv_chunk_size), 1
-    n_chunks = np.maximum(-(-kv // bound), 1)  # kv_len == 0: one empty chunk, unsplit
-    chunk_len = -(-kv // n_chunks)
+    unit_n = np.maximum(-(-span // bound), 1)  # empty span: one empty chunk, unsplit
+    chunk_len = -(-span // unit_n)
     chunk_len = -(-chunk_len // align) * align
-    n_chunks = np.where(kv > 0, -(-kv // np.maximum(chunk_len, 1)), 1)  # alignment may merge
-    split = n_chunks > 1
+    unit_n = np.where(span > 0, -(-span // np.maximum(chunk_len, 1)), 1)  # alignment may merge
+    unit_split = unit_n > 1
 
-    # Items: each unit repeated n_chunks times, chunks in KV order.
-    unit_n = n_chunks[unit_req]
-    item_unit = np.repeat(np.arange(unit_req.shape[0], dtype=np.int64), unit_n)
+    # Items: each unit repeated unit_n times, chunks in KV order.
+    item_unit = np.repeat(np.arange(num_units, dtype=np.int64), unit_n)
     item_first = np.cumsum(unit_n) - unit_n
     item_c = np.arange(item_unit.shape[0], dtype=np.int64) - item_first[item_unit]
     item_req = unit_req[item_unit]
-    item_kv0 = item_c * chunk_len[item_req]
-    item_kv1 = np.minimum(item_kv0 + chunk_len[item_req], kv[item_req])
+    item_kv0 = span0[item_unit] + item_c * chunk_len[item_unit]
+    item_kv1 = np.minimum(item_kv0 + chunk_len[item_unit], span1[item_unit])
     item_rows = unit_rows[item_unit]
     num_items = item_unit.shape[0]
     _check_bound(bounds.max_work_items, "max_work_items", num_items, "work items")
+    if trim is None:
+        item_kv_cost = item_kv1 - item_kv0
+    else:
+        item_kv_cost = trim.visible_between(item_unit, item_kv0, item_kv1)
 
     # 4 (before 3: slots depend on creation order only). Partial rows, allocated in item order.
-    item_split = split[item_req]
+    item_split = unit_split[item_unit]
     slot_size = np.where(item_split, item_rows, 0)
     item_partial = np.cumsum(slot_size) - slot_size
     num_partial_rows = int(slot_size.sum())
@@ -357,7 +405,7 @@ def plan_batch(
                  "partial rows (split-KV states)")
 
     # 3. Longest chunk first to the least-loaded CTA.
-    cost = ROW_COST * item_rows + KV_COST * (item_kv1 - item_kv0)
+    cost = ROW_COST * item_rows + KV_COST * item_kv_cost
     order = np.argsort(-cost, kind="stable")
     cta_of_sorted = _assign(cost[order], num_ctas)
     # Group by CTA, keeping assignment order within a CTA.
@@ -366,8 +414,8 @@ def plan_batch(
     counts = np.bincount(cta_of_sorted, minlength=num_ctas)
     work_indptr = np.concatenate(([0], np.cumsum(counts)))
 
-    merge = _merge_rows(qo, split, n_chunks, tiles, first_unit, unit_row0, item_first,
-                        item_partial, group_size, num_kv_heads, rows_per_tile)
+    merge = _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit, unit_row0,
+                        item_first, item_partial, group_size, num_kv_heads, rows_per_tile)
     merge_count = int(merge[1].shape[0])
     _check_bound(bounds.max_merge_rows, "max_merge_rows", merge_count, "merge rows")
 
@@ -387,6 +435,31 @@ def plan_batch(
         merge_token=_frozen(merge[1]), merge_head=_frozen(merge[2]),
         merge_request=_frozen(merge[3]),
         num_partial_rows=num_partial_rows,
+    )
+
+
+_EMPTY_I32 = np.zeros(0, dtype=np.int32)
+_EMPTY_I32.setflags(write=False)
+_ZERO_I32 = np.zeros(1, dtype=np.int32)
+_ZERO_I32.setflags(write=False)
+
+
+def _empty_plan(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
+                kv_align, kv_chunk_size) -> Plan:
+    """The plan of a batch without queries: no items, no partial rows, no merges."""
+    if kv_chunk_size is None:
+        bound = chunk_bound(0, num_ctas, min_kv_chunk=min_kv_chunk, kv_align=kv_align)
+    else:
+        bound = int(kv_chunk_size)
+    e = _EMPTY_I32
+    return Plan(
+        num_ctas=int(num_ctas), num_kv_heads=int(num_kv_heads), group_size=int(group_size),
+        rows_per_tile=int(rows_per_tile), kv_chunk_size=int(bound),
+        qo_lens=_frozen(qo), kv_lens=_frozen(kv),
+        work_indptr=_frozen(np.zeros(num_ctas + 1, dtype=np.int32)),
+        work_request=e, work_kv_head=e, work_row_start=e, work_kv_start=e, work_kv_end=e,
+        work_partial=e, merge_count=0, merge_indptr=_ZERO_I32, merge_slots=e,
+        merge_token=e, merge_head=e, merge_request=e, num_partial_rows=0,
     )
 
 
@@ -470,19 +543,19 @@ def _assign_equal(loads: np.ndarray, c: int, k: int) -> np.ndarray | None:
     return picks
 
 
-def _merge_rows(qo, split, n_chunks, tiles, first_unit_of_req, unit_row0, unit_first_item,
-                item_partial, group_size, num_kv_heads, rows_per_tile):
+def _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit_of_req, unit_row0,
+                unit_first_item, item_partial, group_size, num_kv_heads, rows_per_tile):
     """(indptr, token, head, request, slots) of the merge rows, ordered (request, token, head).
 
     Units are numbered (request, kv_head, tile) from first_unit_of_req[request]; the items of
-    a unit are its chunks in KV order from unit_first_item[unit]. The partial row of
-    (token i, head kv_head * group + g) in chunk c is
-    ``item_partial[unit_first_item[unit] + c] + (i * group + g - row_start)``.
+    a unit are its unit_n[unit] chunks in KV order from unit_first_item[unit]; a merge row is
+    a (token, head) whose unit is split. The partial row of (token i, head kv_head * group + g)
+    in chunk c is ``item_partial[unit_first_item[unit] + c] + (i * group + g - row_start)``.
     """
     empty = np.zeros(0, dtype=np.int64)
-    reqs = np.flatnonzero(split & (qo > 0))
-    if reqs.size == 0:
+    if not unit_split.any():
         return np.zeros(1, dtype=np.int64), empty, empty, empty, empty
+    reqs = np.unique(unit_req[unit_split])
     num_heads = num_kv_heads * group_size
     qo_start = np.cumsum(qo) - qo
 
@@ -496,14 +569,140 @@ def _merge_rows(qo, split, n_chunks, tiles, first_unit_of_req, unit_row0, unit_f
     fused = i * group_size + g
     tile = fused // rows_per_tile
     unit = first_unit_of_req[m_req] + kvh * tiles[m_req] + tile
+    keep = unit_split[unit]
+    if not keep.all():  # units of a request may differ (trimmed spans)
+        m_req, i, head, fused, unit = m_req[keep], i[keep], head[keep], fused[keep], unit[keep]
     offset = fused - unit_row0[unit]
-    n = n_chunks[m_req]
+    n = unit_n[unit]
     indptr = np.concatenate(([0], np.cumsum(n)))
     # Slot of chunk c of merge row m: partial start of item (first item of unit + c) + offset.
     m_of_slot = np.repeat(np.arange(m_req.shape[0]), n)
     c = np.arange(m_of_slot.shape[0], dtype=np.int64) - indptr[:-1][m_of_slot]
     slots = item_partial[unit_first_item[unit[m_of_slot]] + c] + offset[m_of_slot]
     return indptr, qo_start[m_req] + i, head, m_req, slots
+
+
+# KV tiles of the planner's mask analysis: at least this many keys (a multiple of the
+# kernel's KV tile, so trimmed spans start on kernel tile boundaries). Coarser tiles make
+# fewer (unit, tile) pairs to classify; the kernel still skips its own finer EMPTY tiles.
+TRIM_TILE = 128
+
+
+@dataclass(frozen=True, eq=False)
+class _Trim:
+    """Per unit: KV span [span0, span1) and, per (unit, tile) pair, visible positions."""
+
+    span0: np.ndarray
+    span1: np.ndarray
+    tile: int
+    pair_off: np.ndarray | None  # [units] first pair of the unit's representative
+    ntile: np.ndarray | None  # [units], 0: untiled (FULL or EMPTY as a whole)
+    cum: np.ndarray | None  # [pairs + 1] prefix sums of visible positions; None: no tiles
+
+    def visible_between(self, unit, kv0, kv1) -> np.ndarray:
+        """Positions of non-EMPTY tiles in [kv0, kv1) (tile-granular: a chunk boundary
+        inside a tile counts that tile in full, capped at the chunk length)."""
+        if self.cum is None:  # no unit needed tiles
+            return kv1 - kv0
+        ntile = self.ntile[unit]
+        tiled = ntile > 0  # else the unit's span is all FULL (or empty)
+        t0 = np.where(tiled, kv0 // self.tile, 0)
+        t1 = np.minimum(-(-kv1 // self.tile), ntile)
+        off = self.pair_off[unit]
+        vis = self.cum[off + np.maximum(t1, t0)] - self.cum[off + t0]
+        return np.where(tiled, np.minimum(vis, kv1 - kv0), kv1 - kv0)
+
+
+def _mask_names(e, out: set) -> set:
+    """Names of the Vars an IR expression reads (walks dataclass fields)."""
+    from attnlang import ir
+
+    if isinstance(e, ir.Var):
+        out.add(e.name)
+    elif isinstance(e, (tuple, list)):
+        for x in e:
+            _mask_names(x, out)
+    elif isinstance(e, ir.Expr):
+        for f in fields(e):
+            if f.name != "span":
+                _mask_names(getattr(e, f.name), out)
+    return out
+
+
+def _trim(mask, qo, kv, unit_req, unit_kvh, unit_row0, unit_rows, tiles, first_unit,
+          group_size, num_kv_heads, head_dim, kv_align) -> _Trim:
+    """Classify every (unit, KV tile) pair with the mask analysis at the unit's query
+    positions (q_pos = kv_len - qo_len + fused_row // group) in one vectorised call, and
+    trim each unit to its first .. last non-EMPTY tile. Sound: the analysis is conservative
+    (EMPTY means every pair of the tile is masked for any params), so only tiles without a
+    visible pair leave the span. A unit with no non-EMPTY tile gets the empty span [0, 0):
+    one item that writes its rows' o = 0 / lse = -inf. Units of different KV heads share
+    the classification when the mask reads neither `head` nor `kv_head`."""
+    from attnlang.codegen.mask_tiles import EMPTY, FULL, PARTIAL, TileEnv, classify_tiles
+
+    tile = -(-TRIM_TILE // kv_align) * kv_align
+    num_units = unit_req.shape[0]
+    names = _mask_names(mask, set())
+    if "head" in names or "kv_head" in names:
+        rep = cls_units = np.arange(num_units, dtype=np.int64)
+    else:  # the kv_head 0 unit of the same (request, row tile) stands for every KV head
+        # unit index = first_unit[req] + kvh * tiles[req] + row_tile
+        rep = np.arange(num_units, dtype=np.int64) - unit_kvh * tiles[unit_req]
+        cls_units = np.flatnonzero(unit_kvh == 0)
+    req = unit_req[cls_units]
+    q_first = kv[req] - qo[req]
+    row0 = unit_row0[cls_units]
+    q_lo = q_first + row0 // group_size
+    q_hi = q_first + (row0 + unit_rows[cls_units] - 1) // group_size
+    kv_len = kv[req]
+    kvh = unit_kvh[cls_units]
+    geometry = dict(num_heads=num_kv_heads * group_size, num_kv_heads=num_kv_heads,
+                    head_dim=head_dim)
+    # Level 0: the unit's whole range. FULL (causal decode) or EMPTY needs no tiles.
+    whole = classify_tiles(mask, TileEnv(q_lo=q_lo, q_hi=q_hi, kv_lo=np.zeros_like(kv_len),
+                                         kv_hi=kv_len - 1, batch=req, kv_head=kvh,
+                                         qo_len=qo[req], kv_len=kv_len, **geometry))
+    tiled = whole == PARTIAL
+    if not tiled.any():
+        s1_c = np.where(whole == FULL, kv_len, 0)
+        ci = np.searchsorted(cls_units, rep) if cls_units.shape[0] != num_units else rep
+        s1 = s1_c[ci]
+        return _Trim(span0=np.zeros_like(s1), span1=s1, tile=tile, pair_off=None, ntile=None,
+                     cum=None)
+    ntile_c = np.where(tiled, -(-kv_len // tile), 0)
+    p_of = np.repeat(np.arange(cls_units.shape[0], dtype=np.int64), ntile_c)
+    first_pair = np.cumsum(ntile_c) - ntile_c
+    t = np.arange(p_of.shape[0], dtype=np.int64) - first_pair[p_of]
+    kv_lo = t * tile
+    kv_hi = np.minimum(kv_lo + tile, kv_len[p_of]) - 1
+    env = TileEnv(q_lo=q_lo[p_of], q_hi=q_hi[p_of], kv_lo=kv_lo, kv_hi=kv_hi,
+                  batch=req[p_of], kv_head=kvh[p_of], qo_len=qo[req][p_of],
+                  kv_len=kv_len[p_of], **geometry)
+    visible = (classify_tiles(mask, env) != EMPTY) if p_of.size else np.zeros(0, bool)
+    vis_pos = np.where(visible, kv_hi - kv_lo + 1, 0)
+    cum = np.concatenate(([0], np.cumsum(vis_pos)))
+    # First / last non-EMPTY tile per classified unit (pairs are ordered (unit, tile)).
+    nz = np.flatnonzero(visible)
+    nz_unit = p_of[nz]
+    has = np.zeros(cls_units.shape[0], dtype=bool)
+    t_first = np.zeros(cls_units.shape[0], dtype=np.int64)
+    t_last = np.full(cls_units.shape[0], -1, dtype=np.int64)
+    if nz.size:
+        starts = np.flatnonzero(np.diff(nz_unit, prepend=-1))
+        ends = np.append(starts[1:], nz.size) - 1
+        u = nz_unit[starts]
+        has[u] = True
+        t_first[u] = t[nz[starts]]
+        t_last[u] = t[nz[ends]]
+    s0_c = np.where(has, t_first * tile, 0)
+    s1_c = np.where(has, np.minimum((t_last + 1) * tile, kv_len), 0)
+    s1_c = np.where(whole == FULL, kv_len, s1_c)  # untiled: FULL whole range, EMPTY [0, 0)
+    # Map every unit to its classified representative.
+    where = np.empty(num_units, dtype=np.int64)
+    where[cls_units] = np.arange(cls_units.shape[0], dtype=np.int64)
+    ci = where[rep]
+    return _Trim(span0=s0_c[ci], span1=s1_c[ci], tile=tile, pair_off=first_pair[ci],
+                 ntile=ntile_c[ci], cum=cum)
 
 
 def _item_rows(fused_rows: np.ndarray, row_start: np.ndarray, rows_per_tile: int) -> np.ndarray:
@@ -631,14 +830,16 @@ def plan_mixed(
     min_kv_chunk: int = MIN_KV_CHUNK,
     kv_chunk_size: int | None = None,
     bounds: PlanBounds | None = None,
+    mask: Any = None,
+    head_dim: int | None = None,
 ) -> BatchPlan:
     """Schedule a ragged batch over the decode and prefill kernels. Pure CPU, deterministic.
 
     Request b runs in the prefill kernel iff ``qo_lens[b] * group_size > prefill_min_rows``.
     Each kernel's list is `plan_batch` over its requests (the others get qo_len 0) with its
-    own Tiling; the cost model, the KV chunk bound (per list: each kernel fills the GPU on its
-    own, they run one after the other) and the determinism are plan_batch's. kv_chunk_size
-    overrides both lists' bound.
+    own Tiling (and the mask / head_dim for KV trimming, see plan_batch); the cost model, the
+    KV chunk bound (per list: each kernel fills the GPU on its own, they run one after the
+    other) and the determinism are plan_batch's. kv_chunk_size overrides both lists' bound.
 
     bounds: max_work_items caps each list (the workspace holds one section per list);
     max_partial_rows and max_merge_rows cap the two lists together. Raises PlanError /
@@ -649,21 +850,39 @@ def plan_mixed(
         plan.decode.num_work_items, plan.prefill.num_work_items
     """
     _check_positive("prefill_min_rows", prefill_min_rows)
-    _check_positive("group_size", group_size)
-    qo = _int_array(qo_lens, "qo_lens")
-    kv = _int_array(kv_lens, "kv_lens")
+    for arg, value in (("num_kv_heads", num_kv_heads), ("group_size", group_size),
+                       ("min_kv_chunk", min_kv_chunk),
+                       ("decode.rows_per_tile", decode.rows_per_tile),
+                       ("decode.num_ctas", decode.num_ctas), ("decode.kv_align", decode.kv_align),
+                       ("prefill.rows_per_tile", prefill.rows_per_tile),
+                       ("prefill.num_ctas", prefill.num_ctas),
+                       ("prefill.kv_align", prefill.kv_align)):
+        _check_positive(arg, value)
+    if kv_chunk_size is not None:
+        _check_positive("kv_chunk_size", kv_chunk_size)
+    qo, kv = _lengths(qo_lens, kv_lens)
     bounds = bounds or PlanBounds()
-    if qo.shape == kv.shape:  # plan_batch reports the other problems
-        _check_bound(bounds.max_batch_size, "max_batch_size", qo.shape[0], "requests")
-        _check_bound(bounds.max_total_q, "max_total_q", int(qo.sum()), "query tokens")
+    _check_bound(bounds.max_batch_size, "max_batch_size", qo.shape[0], "requests")
+    _check_bound(bounds.max_total_q, "max_total_q", int(qo.sum()), "query tokens")
     to_prefill = qo * group_size > prefill_min_rows
     per_list = PlanBounds(max_work_items=bounds.max_work_items)
     common = dict(num_kv_heads=num_kv_heads, group_size=group_size, min_kv_chunk=min_kv_chunk,
-                  kv_chunk_size=kv_chunk_size, bounds=per_list)
-    dec = plan_batch(np.where(to_prefill, 0, qo), kv, rows_per_tile=decode.rows_per_tile,
-                     num_ctas=decode.num_ctas, kv_align=decode.kv_align, **common)
-    pre = plan_batch(np.where(to_prefill, qo, 0), kv, rows_per_tile=prefill.rows_per_tile,
-                     num_ctas=prefill.num_ctas, kv_align=prefill.kv_align, **common)
+                  kv_chunk_size=kv_chunk_size, bounds=per_list, mask=mask, head_dim=head_dim)
+    if mask is not None and head_dim is None:
+        raise PlanError("plan_mixed: head_dim is required with a mask")
+    any_prefill = bool(to_prefill.any())
+    zeros = np.zeros_like(qo)
+    dec = _schedule(np.where(to_prefill, 0, qo) if any_prefill else qo, kv,
+                    rows_per_tile=decode.rows_per_tile, num_ctas=decode.num_ctas,
+                    kv_align=decode.kv_align, **common)
+    pre = _schedule(np.where(to_prefill, qo, 0) if any_prefill else zeros, kv,
+                    rows_per_tile=prefill.rows_per_tile, num_ctas=prefill.num_ctas,
+                    kv_align=prefill.kv_align, **common)
+    if dec.merge_count == 0 and pre.merge_count == 0:
+        # Nothing split (no partial rows either): nothing to renumber or merge.
+        return BatchPlan(decode=dec, prefill=pre, merge_count=0, merge_indptr=_ZERO_I32,
+                         merge_slots=_EMPTY_I32, merge_token=_EMPTY_I32,
+                         merge_head=_EMPTY_I32, merge_request=_EMPTY_I32, num_partial_rows=0)
     # Each sub-plan's qo_lens are the queries its list covers (0 for the other kernel's
     # requests). The prefill list's partial rows follow the decode list's.
     shift = dec.num_partial_rows

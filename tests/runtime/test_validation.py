@@ -323,6 +323,55 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
         assert named["merge_slots"] == ws["merge_slots"]
 
 
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+def test_launch_args_equal_kernel_args(path):
+    """run()'s cached fixed parts + per-call parts give exactly kernel_args' tuple."""
+    variant = attnlang.load(path)
+    values = []
+    for i, spec in enumerate(variant.params):
+        if spec.is_tensor:
+            values.append((spec, dev((4,), "float32", ptr=1000 + i)))
+        else:
+            values.append((spec, np.int32(3) if spec.type is ir.INT else np.float32(2.5)))
+    ws = {name: 10_000 + i for i, name in enumerate([*A._SECTIONS, "partial_o",
+                                                     "partial_lse"])}
+    fixed = A.LaunchArgs(ws, num_heads=8, num_kv_heads=2, page_size=16)
+    for kind in ("decode", "prefill", "merge"):
+        want = A.kernel_args(kind, q=11, k_cache=12, v_cache=13, out=14, lse=15, ws=ws,
+                             num_heads=8, num_kv_heads=2, page_size=16, sm_scale=0.3,
+                             params=values)
+        got = fixed.args(kind, 11, 12, 13, 14, 15, 0.3, values)
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert type(a) is type(b) and a == b, (kind, a, b)
+
+
+def test_run_memo_key_tracks_every_input():
+    """run() reuses its last validation only when every described input is unchanged."""
+    key = A.BatchAttention._run_memo_key
+    q, k, v = dev((4, 8, 64), "bfloat16"), dev((9, 16, 2, 64), "bfloat16"), dev(
+        (9, 16, 2, 64), "bfloat16", ptr=64)
+    cap = 30.0
+    infos, base = key(q, (k, v), {"cap": cap}, None, None, None)
+    assert infos[0] is q and infos[3] is None and base is not None
+    assert key(q, (k, v), {"cap": cap}, None, None, None)[1] == base
+    for changed in (
+            key(dev((4, 8, 64), "bfloat16", ptr=4096), (k, v), {"cap": cap}, None, None, None),
+            key(dev((5, 8, 64), "bfloat16"), (k, v), {"cap": cap}, None, None, None),
+            key(dev((4, 8, 64), "float16"), (k, v), {"cap": cap}, None, None, None),
+            key(q, (k, v), {"cap": 31.0}, None, None, None),
+            key(q, (k, v), {"cap": cap}, dev((4, 8, 64), "bfloat16"), None, None),
+            key(q, (k, v), {"cap": cap}, None, None, 0.5),
+            key(q, (v, k), {"cap": cap}, None, None, None)):
+        assert changed[1] != base
+    assert key(q, (k, v), None, None, None, True)[1] != key(q, (k, v), None, None, None, 1)[1]
+    # host-array params (contents may change), odd kv_cache or params: validate in full
+    assert key(q, (k, v), {"s": np.ones(8)}, None, None, None)[1] is None
+    assert key(q, (k, v), {"s": [1.0] * 8}, None, None, None)[1] is None
+    assert key(q, k, None, None, None, None)[1] is None
+    assert key(q, (k, v), [("cap", 1.0)], None, None, None)[1] is None
+
+
 def test_kernel_args_rejects_unknown_kind():
     with pytest.raises(ValueError, match="unknown kernel kind"):
         A.kernel_args("encode", q=0, k_cache=0, v_cache=0, out=0, lse=0, ws={}, num_heads=1,
