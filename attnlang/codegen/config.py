@@ -29,6 +29,7 @@ cp.async ring; shared memory = K and V stages plus the [R][head_dim] Q tile.
 from __future__ import annotations
 
 import numbers
+import os
 from dataclasses import dataclass
 
 __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "TemplateShape", "LaunchConfig", "template_shape",
@@ -48,22 +49,30 @@ _MAX_THREADS = 256  # __launch_bounds__ of the decode kernel: at most this many 
 _MIN_BLOCKS = 2
 _MIN_THREADS = 128  # TZ grows until a CTA has at least this many threads
 _MAX_ROWS = 16  # largest R: beyond it a group's rows are split over several work items
-_STAGES = 2  # cp.async pipeline depth of the decode kernel
+# cp.async pipeline depth of the decode kernel: two tiles (32 KB of K + V) in flight per CTA
+# while it computes a third; 48 KB per CTA, 4 CTAs per SM in the H100's 228 KB.
+_STAGES = 3
 _TILE_BYTES = 16 * 1024  # K + V bytes of one pipeline stage
 _CHUNK = 4  # keys per online-softmax update (amortises the o rescale)
 _MERGE_THREADS = 128
 # prefill: warps per CTA (16 fused rows each) and, per head_dim, (KV tile keys, pipeline
 # stages, CTAs per SM for __launch_bounds__). Two CTAs of 4 warps per SM: a register cap of
 # 255, 72-96 KB of shared memory each.
-_PREFILL_WARPS = 4
-_PREFILL_SHAPE = {64: (128, 2, 2), 128: (64, 2, 2), 256: (32, 2, 2)}
+# ATTNLANG_PREFILL_WARPS=8 (read once, at import) is a tuning experiment: one CTA of 8 warps
+# (128 rows) per SM instead of two of 4, which halves the K/V traffic from L2 per query row;
+# it passes the same tests. CTAs per SM follow: 8 warps per SM either way.
+_PREFILL_WARPS = int(os.environ.get("ATTNLANG_PREFILL_WARPS", "4"))
+if _PREFILL_WARPS not in (4, 8):
+    raise ValueError(f"ATTNLANG_PREFILL_WARPS must be 4 or 8, got {_PREFILL_WARPS}")
+_PREFILL_SHAPE = {hd: (tile, stages, 8 // _PREFILL_WARPS)
+                  for hd, (tile, stages) in {64: (128, 2), 128: (64, 2), 256: (32, 2)}.items()}
 
 
 @dataclass(frozen=True)
 class TemplateShape:
     """Compile-time constants of one kernel template instance (spliced as literals).
 
-    Example: decode, head_dim 128, bf16 -> vec=8, tx=16, kv_tile=32, stages=2, chunk=4,
+    Example: decode, head_dim 128, bf16 -> vec=8, tx=16, kv_tile=32, stages=3, chunk=4,
     max_threads=256, min_blocks=2.
     """
 
@@ -90,7 +99,7 @@ class LaunchConfig:
     chunks that are multiples of it waste no tile slots), 0 for merge.
 
     Example: ``launch_config("decode", 128, 4)`` -> block (16, 4, 2), rows_per_tile 4,
-    smem_bytes 32768, kv_tile 32.
+    smem_bytes 49152, kv_tile 32.
     """
 
     block: tuple[int, int, int]
@@ -164,7 +173,7 @@ def launch_config(kind: str, head_dim: int, group_size: int,
     256 / TX), so a decode step's whole group shares each KV tile. Raises ValueError.
 
     >>> launch_config("decode", 128, 4)
-    LaunchConfig(block=(16, 4, 2), rows_per_tile=4, smem_bytes=32768, kv_tile=32)
+    LaunchConfig(block=(16, 4, 2), rows_per_tile=4, smem_bytes=49152, kv_tile=32)
     >>> launch_config("merge", 128, 4)
     LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=0, kv_tile=0)
     >>> launch_config("prefill", 128, 4)

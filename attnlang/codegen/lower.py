@@ -328,6 +328,12 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
         key = (e.op, e.a.type)
         if key not in _BINARY:
             raise ValueError(f"no C form for {e.a.type} {e.op} {e.b.type}")
+        if key == ("/", FLOAT) and _is_invariant(e.b) and _has_param(e.b):
+            # A divisor of scalar params (and constants) only: multiply by its reciprocal,
+            # which the compiler hoists out of the kernel's loops (an IEEE division per key
+            # or element costs ~10 instructions and a slow-path branch). Within 1 ulp of
+            # a / b, far inside LANGUAGE.md section 7.
+            return f"({expr_c(e.a, env)} * (1.0f / {expr_c(e.b, env)}))"
         return _BINARY[key].format(a=expr_c(e.a, env), b=expr_c(e.b, env))
     if isinstance(e, ir.Call):
         key = (e.fn, e.type)
@@ -337,6 +343,31 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
     if isinstance(e, (ir.Reduce, ir.Rope)):
         raise ValueError(f"{type(e).__name__} outside a vector stage")
     raise TypeError(f"unknown IR node {type(e).__name__}")
+
+
+def _has_param(e: ir.Expr) -> bool:
+    """Does e read a scalar param (a constant divisor is left to the C compiler)?"""
+    if isinstance(e, ir.Param):
+        return True
+    if isinstance(e, (ir.Cast, ir.Unary)):
+        return _has_param(e.x)
+    if isinstance(e, ir.Binary):
+        return _has_param(e.a) or _has_param(e.b)
+    return False
+
+
+def _is_invariant(e: ir.Expr) -> bool:
+    """Is e built from scalar params and constants only (the same value for every key,
+    query and element of a launch)?"""
+    if isinstance(e, (ir.Const, ir.Param)):
+        return True
+    if isinstance(e, ir.Cast):
+        return _is_invariant(e.x)
+    if isinstance(e, ir.Unary):
+        return _is_invariant(e.x)
+    if isinstance(e, ir.Binary):
+        return _is_invariant(e.a) and _is_invariant(e.b)
+    return False
 
 
 def _uses_dim(e: ir.Expr, env: _Env) -> bool:
@@ -492,7 +523,7 @@ def lower(variant: ir.Variant) -> Hooks:
     ...         ir.FLOAT), ir.FLOAT))
     >>> print(lower(v).logits)
     __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
-      return (p.cap * attnlang::tanh_approx((s / p.cap)));
+      return (p.cap * attnlang::tanh_approx((s * (1.0f / p.cap))));
     }
     """
     members = []

@@ -197,7 +197,7 @@ def test_logits_and_mask_hooks():
     h = lower(v)
     assert h.logits == (
         "__device__ __forceinline__ float logits(const float s, const Params& p, "
-        "const Index& ix) {\n  return (p.cap * attnlang::tanh_approx((s / p.cap)));\n}")
+        "const Index& ix) {\n  return (p.cap * attnlang::tanh_approx((s * (1.0f / p.cap))));\n}")
     assert "return (ix.kv_pos <= ix.q_pos);" in h.mask
     assert h.has_logits and h.has_mask and not h.has_query
 

@@ -152,7 +152,7 @@ def test_templates_use_every_context_value_they_are_given_or_document_it(kind):
 
 def test_launch_config_decode():
     cfg = config.launch_config("decode", 128, 4)
-    assert cfg == config.LaunchConfig((16, 4, 2), 4, 32768, 32)
+    assert cfg == config.LaunchConfig((16, 4, 2), 4, 49152, 32)
     assert cfg.threads == 128 and not cfg.needs_smem_opt_in
     for head_dim in config.HEAD_DIMS:
         shape = config.template_shape("decode", head_dim, "bfloat16")

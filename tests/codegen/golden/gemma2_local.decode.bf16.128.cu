@@ -14,7 +14,7 @@
 //               of every KV tile; their states are merged through shared memory at the end
 //   group_id    ty + R * tz: the thread's TX-lane group; group g copies (and transforms)
 //               tile keys g, g + R * TZ, ...
-//   kTileKeys   keys per KV tile = one pipeline stage (32); kStages stages (2)
+//   kTileKeys   keys per KV tile = one pipeline stage (32); kStages stages (3)
 //   kChunk      keys per online-softmax update (4)
 //   variant::   the lowered hooks: Params, kHas*, kSoftmax, query/key/value/logits/mask/output,
 //               mask_tile (the mask's class on a box of positions; helpers of mask_tiles.cuh,
@@ -704,7 +704,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 8 "examples/gemma2_local.attn"
-  return (p.cap * attnlang::tanh_approx((s / p.cap)));
+  return (p.cap * attnlang::tanh_approx((s * (1.0f / p.cap))));
 }
 #line 710 "gemma2_local_decode.cu"
 
@@ -733,7 +733,7 @@ using T = __nv_bfloat16;
 constexpr int VEC = 8;
 constexpr int TX = 16;
 constexpr int kTileKeys = 32;
-constexpr int kStages = 2;
+constexpr int kStages = 3;
 constexpr int kChunk = 4;
 constexpr int kMaxThreads = 256;  // __launch_bounds__: threads per CTA at most
 constexpr int kMinBlocks = 2;    // ... and CTAs per SM at least (caps registers)
@@ -745,6 +745,70 @@ static_assert(VEC * sizeof(T) == 16, "one 16-byte access per lane");
 static_assert(VEC == 8, "the pack helpers convert 8 elements");
 static_assert(kTileKeys % kChunk == 0, "a tile is whole softmax chunks");
 static_assert(kStages >= 2, "the pipeline needs a stage in flight while one is read");
+static_assert((kChunk & (kChunk - 1)) == 0 && kChunk <= TX,
+              "chunk dots are reduce-scattered over TX lanes: kChunk a power of two <= TX");
+
+// 8 elements of T at a 16-byte aligned shared address -> float[8], the inner loop's K and V
+// reads. bf16 is the top half of a float: one shift or one AND per element (the generic
+// load8 spends a PRMT and a shift on every odd element).
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+
+__device__ __forceinline__ void load8_kv(const T* ptr, float (&x)[VEC]) {
+  if constexpr (IsBf16<T>::value) {
+    const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
+    const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = __uint_as_float(w[i] << 16);
+      x[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+    load8<T>(ptr, x);
+  }
+}
+
+// The kChunk dot products of a chunk, summed over the row's TX lanes with kChunk + log2(TX)
+// shuffles instead of kChunk * log2(TX). Lane tx's slot c holds the partial dot of key
+// c ^ perm, perm = tx / (TX / kChunk) (the lane read its K rows in that order).
+//   Reduce-scatter: step s (offset TX >> (s + 1), which flips bit (log2 kChunk - 1 - s) of
+//   perm) keeps the lower half of the n = kChunk >> s live slots and adds the partner's upper
+//   half, which holds the same keys; after log2 kChunk steps slot 0 holds key perm summed
+//   over the lanes of equal tx % (TX / kChunk).
+//   All-reduce slot 0 over the remaining offsets (every lane of a perm class, bitwise alike).
+//   All-gather: the reverse steps copy the partner's live slots into the upper half, so
+//   slot c ends with the total of key c ^ perm, bitwise identical in every lane holding it.
+__device__ __forceinline__ void chunk_dot_allreduce(float (&a)[kChunk]) {
+  const unsigned mask = group_mask<TX>();
+#pragma unroll
+  for (int n = kChunk, offset = TX / 2; n > 1; n /= 2, offset /= 2) {
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) a[i] += __shfl_xor_sync(mask, a[i + n / 2], offset, TX);
+  }
+#pragma unroll
+  for (int offset = TX / (2 * kChunk); offset >= 1; offset /= 2) {
+    a[0] += __shfl_xor_sync(mask, a[0], offset, TX);
+  }
+#pragma unroll
+  for (int n = 2, offset = TX / kChunk; n <= kChunk; n *= 2, offset *= 2) {
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) a[i + n / 2] = __shfl_xor_sync(mask, a[i], offset, TX);
+  }
+}
+
+// Pairwise sum of a chunk's slots: XOR permutations of the slots keep every pair, so lanes
+// holding the same keys in different slot orders get bitwise identical sums.
+__device__ __forceinline__ float chunk_tree_sum(const float (&a)[kChunk]) {
+  float t[kChunk];
+#pragma unroll
+  for (int i = 0; i < kChunk; ++i) t[i] = a[i];
+#pragma unroll
+  for (int n = kChunk; n > 1; n /= 2) {
+#pragma unroll
+    for (int i = 0; i < n / 2; ++i) t[i] = t[2 * i] + t[2 * i + 1];
+  }
+  return t[0];
+}
 
 // One work item plus the lengths of its request.
 struct WorkItem {
@@ -793,12 +857,47 @@ __device__ __forceinline__ long long paged_offset(const int* kv_indices, const W
 // Issue the cp.async copies of the KV tile starting at tile_start into one stage: TX-lane
 // group group_id copies keys group_id, group_id + num_groups, ..., lane tx the 16 bytes
 // [dim0, dim0 + VEC) of each, K and V alike. Positions >= kv_end are zero-filled.
+// launch_config gives a CTA at least kMinGroups groups, so a group copies at most
+// kMaxGroupKeys keys: their page-table reads are all issued before the first copy (one
+// global-memory latency per tile, not one per key). Fewer groups take the plain loop.
+constexpr int kMinGroups = (128 / TX) < 1 ? 1 : (128 / TX);  // launch_config: >= 128 threads
+constexpr int kMaxGroupKeys = (kTileKeys + kMinGroups - 1) / kMinGroups;
+
 __device__ __forceinline__ void load_tile(T* k_stage, T* v_stage, const T* k_cache,
                                           const T* v_cache, const int* kv_indices,
                                           const WorkItem& w, const int tile_start,
                                           const int group_id, const int num_groups,
                                           const int dim0, const FastDivmod& page_size,
                                           const int num_kv_heads) {
+  if (num_groups >= kMinGroups) {
+    int page[kMaxGroupKeys], slot[kMaxGroupKeys];
+#pragma unroll
+    for (int j = 0; j < kMaxGroupKeys; ++j) {
+      const int key = group_id + j * num_groups;
+      const int pos = tile_start + key;
+      page[j] = 0;
+      slot[j] = 0;
+      if (key < kTileKeys && pos < w.kv_end) {
+        int page_in_list;  // pos = page_in_list * page_size + slot
+        page_size.divmod(pos, page_in_list, slot[j]);
+        page[j] = kv_indices[w.page_begin + page_in_list];  // physical page holding pos
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kMaxGroupKeys; ++j) {
+      const int key = group_id + j * num_groups;
+      if (key < kTileKeys) {
+        const bool valid = tile_start + key < w.kv_end;
+        const long long cache_token = static_cast<long long>(page[j]) * page_size.divisor + slot[j];
+        const long long src =
+            valid ? (cache_token * num_kv_heads + w.kv_head) * kHeadDim + dim0 : 0;
+        const int dst = key * kHeadDim + dim0;  // row `key` of the stage, this lane's 16 bytes
+        cp_async_16(k_stage + dst, k_cache + src, valid);
+        cp_async_16(v_stage + dst, v_cache + src, valid);
+      }
+    }
+    return;
+  }
   for (int key = group_id; key < kTileKeys; key += num_groups) {
     const int pos = tile_start + key;
     const bool valid = pos < w.kv_end;
@@ -871,74 +970,80 @@ struct RowState {
 };
 
 // Fold one KV tile into a row's state: z-group tz takes chunks tz, tz + TZ, ... of kChunk
-// keys. Every lane of the row computes every score (the dot is all-reduced over TX lanes),
-// so branches on scores are uniform over the row group. all_visible: the mask holds on
-// every pair of the tile (its class), so the per-key mask is skipped.
-//   q_row: the row's transformed query; pre-scaled by sm_scale (and log2 e when the softmax
-//   is on) when there is no logits hook.
+// keys. Every lane of the row gets every score (chunk_dot_allreduce), bitwise alike, so
+// branches on scores are uniform over the row group. Lane tx keeps a chunk's keys in the
+// slot order c -> key c ^ perm (perm = tx / (TX / kChunk)): it reads K and V rows in that
+// order and sums p with chunk_tree_sum, so only the order of its own o sums depends on it.
+// all_visible: the mask holds on every pair of the tile (its class), so the per-key mask is
+// skipped.
+//   q_row: the row's transformed query, pre-scaled by sm_scale (and by log2 e when the
+//   softmax is on and there is no logits hook), so its dot is the logits hook's input.
 __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[VEC],
                                             const T* k_stage, const T* v_stage,
                                             const int tile_start, const int kv_end,
                                             const bool all_visible, const int tz,
-                                            const int TZ, const int dim0,
-                                            const float sm_scale, const variant::Params& params,
-                                            Index ix) {
+                                            const int TZ, const int dim0, const int perm,
+                                            const variant::Params& params, Index ix) {
   for (int chunk = tz; chunk < kChunksPerTile; chunk += TZ) {
     const int chunk_key = chunk * kChunk;  // first key of the chunk within the tile
     if (tile_start + chunk_key >= kv_end) break;  // this and later chunks are past the end
-    // Softmax on: score in log2 units, -inf if not visible. Off: weight, 0 if not visible.
+    // Slot c: key chunk_key + (c ^ perm) of the tile.
     float score[kChunk];
 #pragma unroll
-    for (int j = 0; j < kChunk; ++j) {
-      const int key = chunk_key + j;
-      const int pos = tile_start + key;  // logical KV position of the key
+    for (int c = 0; c < kChunk; ++c) {
       float k[VEC];
-      load8<T>(k_stage + key * kHeadDim + dim0, k);
+      load8_kv(k_stage + (chunk_key + (c ^ perm)) * kHeadDim + dim0, k);
       float dot = 0.0f;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) dot = fmaf(q_row[i], k[i], dot);
-      dot = group_allreduce<TX>(dot, SumOp{});
+      score[c] = dot;
+    }
+    chunk_dot_allreduce(score);
+    // Softmax on: score in log2 units, -inf if not visible. Off: weight, 0 if not visible.
+#pragma unroll
+    for (int c = 0; c < kChunk; ++c) {
+      const int pos = tile_start + chunk_key + (c ^ perm);  // logical KV position of the key
       ix.kv_pos = pos;
       bool visible = pos < kv_end;
       if constexpr (variant::kHasMask) {
         if (!all_visible) visible = visible && variant::mask(params, ix);
       }
-      float s = dot;
-      if constexpr (variant::kHasLogits) s = variant::logits(dot * sm_scale, params, ix);
+      float s = score[c];
+      if constexpr (variant::kHasLogits) s = variant::logits(s, params, ix);  // s: the scaled dot
       if constexpr (variant::kSoftmax) {
         if constexpr (variant::kHasLogits) s *= kLog2e;
-        score[j] = visible ? s : neg_inf();
+        score[c] = visible ? s : neg_inf();
       } else {
-        score[j] = visible ? s : 0.0f;
+        score[c] = visible ? s : 0.0f;
       }
     }
     if constexpr (variant::kSoftmax) {
       float chunk_max = score[0];
 #pragma unroll
-      for (int j = 1; j < kChunk; ++j) chunk_max = fmaxf(chunk_max, score[j]);
+      for (int c = 1; c < kChunk; ++c) chunk_max = fmaxf(chunk_max, score[c]);
       const float m_new = fmaxf(st.m, chunk_max);
       if (m_new == neg_inf()) continue;  // still nothing visible: the state stays (0, 0, -inf)
       const float rescale = ex2_approx(st.m - m_new);  // st.m = -inf gives 0 (o, d are 0)
-      st.d *= rescale;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) st.o[i] *= rescale;
+      float p[kChunk];
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
-        const float p = ex2_approx(score[j] - m_new);  // 0 for invisible keys
+      for (int c = 0; c < kChunk; ++c) {
+        p[c] = ex2_approx(score[c] - m_new);  // 0 for invisible keys
         float v[VEC];
-        load8<T>(v_stage + (chunk_key + j) * kHeadDim + dim0, v);
-        st.d += p;
+        load8_kv(v_stage + (chunk_key + (c ^ perm)) * kHeadDim + dim0, v);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(p, v[i], st.o[i]);
+        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(p[c], v[i], st.o[i]);
       }
+      st.d = fmaf(st.d, rescale, chunk_tree_sum(p));
       st.m = m_new;
     } else {
 #pragma unroll
-      for (int j = 0; j < kChunk; ++j) {
+      for (int c = 0; c < kChunk; ++c) {
         float v[VEC];
-        load8<T>(v_stage + (chunk_key + j) * kHeadDim + dim0, v);
+        load8_kv(v_stage + (chunk_key + (c ^ perm)) * kHeadDim + dim0, v);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(score[j], v[i], st.o[i]);
+        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(score[c], v[i], st.o[i]);
       }
     }
   }
@@ -1028,6 +1133,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   const int num_groups = R * TZ;
   const int group = num_heads / num_kv_heads;  // query heads per KV head
   const FastDivmod page_divmod(page_size);     // pos -> (page in the list, slot), per key
+  const int chunk_perm = tx / (TX / kChunk);   // slot order of a chunk's keys (attend_tile)
 
   T* const k_smem = reinterpret_cast<T*>(smem);      // [kStages][kTileKeys][kHeadDim]
   T* const v_smem = k_smem + kStages * kStageElems;  // [kStages][kTileKeys][kHeadDim]
@@ -1074,12 +1180,12 @@ decode(const __nv_bfloat16* __restrict__ q,
     if (row_active) {
       load8<T>(q + (static_cast<long long>(token) * num_heads + head) * kHeadDim + dim0, q_row);
       if constexpr (variant::kHasQuery) variant::query<VEC, TX>(q_row, dim0, params, row_ix);
-      if constexpr (!variant::kHasLogits) {
-        // No logits hook: fold sm_scale (and log2 e for the exp2 softmax) into q once.
-        const float q_scale = variant::kSoftmax ? sm_scale * kLog2e : sm_scale;
+      // Fold sm_scale into q once (the logits hook then reads the dot as is), and log2 e for
+      // the exp2 softmax when no logits hook comes between.
+      const float q_scale =
+          variant::kSoftmax && !variant::kHasLogits ? sm_scale * kLog2e : sm_scale;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) q_row[i] *= q_scale;
-      }
+      for (int i = 0; i < VEC; ++i) q_row[i] *= q_scale;
     } else {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) q_row[i] = 0.0f;
@@ -1118,7 +1224,7 @@ decode(const __nv_bfloat16* __restrict__ q,
       if (row_active) {
         const bool all_visible = tiles.mask_class(tile, params) == kTileAllVisible;
         attend_tile(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz, TZ,
-                    dim0, sm_scale, params, row_ix);
+                    dim0, chunk_perm, params, row_ix);
       }
       tile = tiles.next_visible(tile + 1, params);
     }
