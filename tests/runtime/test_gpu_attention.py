@@ -80,9 +80,9 @@ def _pairs(values: tuple) -> set:
 
 
 def build_matrix() -> list[Case]:
-    """Every variant in decode and prefill in both dtypes; axis values chosen greedily to cover new pairs
-    of axis values first, then extra cases (variants in turn) until every pair is covered.
-    Deterministic."""
+    """Every variant in decode and prefill in both dtypes; axis values chosen greedily to
+    cover new pairs of axis values first, then extra cases (variants in turn) until every pair
+    is covered. Deterministic."""
     names = list(AXES)
     candidates = list(itertools.product(*AXES.values()))
     uncovered = set().union(*(_pairs(c) for c in candidates))
