@@ -38,7 +38,7 @@ __all__ = [
 
 # Bump when the entry layout, the metadata, or what compile options mean changes: it is part
 # of every key (through the toolchain fingerprint) and of every entry header.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: whole cubins (1 lost the last byte to CuPy's getCUBIN)
 
 _MAGIC = b"ATTNLCUB"
 _HEADER = struct.Struct("<8sIIQ32s")

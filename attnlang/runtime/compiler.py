@@ -16,6 +16,7 @@ The sources attnlang renders are self-contained apart from CUDA's own headers
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import os
 import re
@@ -450,7 +451,7 @@ def _compile(source: str, arch: str, name: str, options: tuple[str, ...], label:
         except nvrtc.NVRTCError as e:
             raise _compile_error(e, nvrtc.getProgramLog(program), source, arch, label, key,
                                  all_options) from None
-        data = bytes(nvrtc.getCUBIN(program))
+        data = _cubin_bytes(nvrtc, program)
         log = nvrtc.getProgramLog(program)
     finally:
         nvrtc.destroyProgram(program)
@@ -467,6 +468,43 @@ def _compile(source: str, arch: str, name: str, options: tuple[str, ...], label:
         path = None
     return Cubin(data=data, arch=arch, key=key, log=log, functions=functions,
                  compile_seconds=seconds, cache="miss", path=path)
+
+
+def _cubin_bytes(nvrtc, program) -> bytes:
+    """The whole cubin of a compiled program.
+
+    CuPy's getCUBIN treats the buffer as a C string and drops its last byte (the cubin then
+    still loads, but tools such as cuobjdump reject it). Ask NVRTC itself for the size and
+    the bytes, through the library CuPy already loaded; fall back to CuPy's copy elsewhere.
+    """
+    data = bytes(nvrtc.getCUBIN(program))
+    lib = _loaded_nvrtc()
+    if lib is None:
+        return data
+    size = ctypes.c_size_t()
+    if lib.nvrtcGetCUBINSize(ctypes.c_void_p(program), ctypes.byref(size)) != 0:
+        return data
+    buf = ctypes.create_string_buffer(size.value)
+    if lib.nvrtcGetCUBIN(ctypes.c_void_p(program), buf) != 0:
+        return data
+    return buf.raw
+
+
+@functools.lru_cache(maxsize=1)
+def _loaded_nvrtc():
+    """ctypes handle on the libnvrtc this process loaded (Linux: from /proc/self/maps)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if "libnvrtc.so" in line
+                     and "builtins" not in line}
+    except OSError:
+        return None
+    for path in sorted(paths):
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    return None
 
 
 def _compile_error(error: Exception, log: str, source: str, arch: str, label: str, key: str,

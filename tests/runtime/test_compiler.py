@@ -428,3 +428,18 @@ def test_unusable_cache_dir_still_compiles(tmp_path, monkeypatch):
         cubin = compile_source(KERNEL, "sm_90a")
     assert cubin.cache == "miss" and cubin.path is None
     assert compile_source(KERNEL, "sm_90a").cache == "memory"
+
+
+@needs_nvrtc
+def test_cubin_is_whole(fresh_cache):
+    """The cubin ends where its ELF headers say (CuPy's getCUBIN drops the last byte)."""
+    import struct
+
+    data = compile_source('extern "C" __global__ void k(float* x) { x[0] = 1.0f; }',
+                          "sm_90a").data
+    assert data[:4] == b"\x7fELF"
+    ph_offset = struct.unpack_from("<Q", data, 0x20)[0]
+    ph_size, ph_count = struct.unpack_from("<HH", data, 0x36)
+    sh_offset = struct.unpack_from("<Q", data, 0x28)[0]
+    sh_size, sh_count = struct.unpack_from("<HH", data, 0x3A)
+    assert len(data) >= max(ph_offset + ph_size * ph_count, sh_offset + sh_size * sh_count)
