@@ -215,6 +215,19 @@ class Result:
     merge_rows: int
 
 
+def kernel_param_values(hooks, v: ir.Variant, params: dict, scalars: dict) -> dict:
+    """Split the variant's run-time params into kernel arguments: scalars go into `scalars`
+    (by kernel parameter name); tensor params are returned as float32/int32 arrays."""
+    tensors = {}
+    for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
+        if spec.is_tensor:
+            tensors[kp.name] = np.asarray(
+                params[spec.name], np.float32 if spec.type is ir.FLOAT else np.int32)
+        else:
+            scalars[kp.name] = params[spec.name]
+    return tensors
+
+
 def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim: int = 64,
              num_heads: int = 8, num_kv_heads: int = 2, qo_lens=(1, 3, 2),
              kv_lens=(37, 100, 5), page_size: int = 16, num_ctas: int = 4,
@@ -268,13 +281,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     }
     scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
                "sm_scale": scale}
-    tensor_params = {}
-    for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
-        if spec.is_tensor:
-            tensor_params[kp.name] = np.asarray(
-                params[spec.name], np.float32 if spec.type is ir.FLOAT else np.int32)
-        else:
-            scalars[kp.name] = params[spec.name]
+    tensor_params = kernel_param_values(hooks, v, params, scalars)
     arrays.update(tensor_params)
     bin_dir = workdir / "bin"
     res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir), workdir / "run", arrays,

@@ -138,13 +138,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     }
     scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
                "sm_scale": scale}
-    tensor_params = {}
-    for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
-        if spec.is_tensor:
-            tensor_params[kp.name] = np.asarray(
-                params[spec.name], np.float32 if spec.type is ir.FLOAT else np.int32)
-        else:
-            scalars[kp.name] = params[spec.name]
+    tensor_params = base.kernel_param_values(hooks, v, params, scalars)
     bin_dir = workdir / "bin"
     for kind, sub in (("decode", plan.decode), ("prefill", plan.prefill)):
         if sub.num_work_items == 0:

@@ -52,8 +52,8 @@ def _variants():
 VARIANTS = _variants()
 
 
-def _params(v: ir.Variant, rng, batch_size: int) -> dict:
-    extents = {"heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS, "batch": batch_size, "dim": HEAD_DIM}
+def random_params(v: ir.Variant, rng, extents: dict[str, int], int_high: int = 50) -> dict:
+    """Run-time params for v: defaults where declared, else random; tensors of the extents."""
     params = {}
     for p in v.params:
         if p.extent:
@@ -62,8 +62,13 @@ def _params(v: ir.Variant, rng, batch_size: int) -> dict:
                               else rng.uniform(0.1, 2.0, n))
         else:
             params[p.name] = p.default if p.default is not None else (
-                int(rng.integers(1, 50)) if p.type is ir.INT else float(rng.uniform(0.5, 2)))
+                int(rng.integers(1, int_high)) if p.type is ir.INT else float(rng.uniform(0.5, 2)))
     return params
+
+
+def _params(v: ir.Variant, rng, batch_size: int) -> dict:
+    return random_params(v, rng, {"heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS,
+                                  "batch": batch_size, "dim": HEAD_DIM})
 
 
 def _random_tiles(rng, n: int):

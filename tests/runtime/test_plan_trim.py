@@ -9,7 +9,7 @@ import attnlang as al
 from attnlang import ir, reference
 from attnlang.runtime import planner
 from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
-from tests.codegen.test_mask_tiles import VARIANTS
+from tests.codegen.test_mask_tiles import VARIANTS, random_params
 
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 4, 64
 NUM_HEADS = NUM_KV_HEADS * GROUP
@@ -18,18 +18,8 @@ MASKED = sorted(k for k, v in VARIANTS.items() if v.mask is not None)
 
 
 def _params(v: ir.Variant, rng, batch_size: int) -> dict:
-    extents = {"heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS, "batch": batch_size,
-               "dim": HEAD_DIM}
-    params = {}
-    for p in v.params:
-        if p.extent:
-            n = extents[p.extent]
-            params[p.name] = (rng.integers(0, 700, n) if p.type is ir.INT
-                              else rng.uniform(0.1, 2.0, n))
-        else:
-            params[p.name] = p.default if p.default is not None else (
-                int(rng.integers(1, 300)) if p.type is ir.INT else float(rng.uniform(0.5, 2)))
-    return params
+    return random_params(v, rng, {"heads": NUM_HEADS, "kv_heads": NUM_KV_HEADS,
+                                  "batch": batch_size, "dim": HEAD_DIM}, int_high=300)
 
 
 def _visible(v: ir.Variant, b: int, qo: int, kv: int, params: dict) -> np.ndarray:
