@@ -73,6 +73,8 @@ def classify_tiles(mask: ir.Expr | None, env: TileEnv) -> np.ndarray:
     if mask is None:
         return np.full(shape, FULL, np.int8)
     tri = _NumpyIntervals(env).tri(mask)
+    if tri.shape == shape:  # already a fresh array of every tile: no broadcast, no copy
+        return tri.astype(np.int8, copy=False)
     return np.broadcast_to(tri, shape).astype(np.int8)
 
 
@@ -236,7 +238,10 @@ def _compare(op, a, b, is_float):
         same_point = (alo == ahi) & (blo == bhi) & (alo == blo) & (not is_float)
         eq = np.where(same_point, FULL, np.where(disjoint, EMPTY, PARTIAL))
         out = eq if op == "==" else 2 - eq
-    nan = np.isnan(np.stack(np.broadcast_arrays(alo, ahi, blo, bhi)).astype(np.float64)).any(0)
+    bounds = (alo, ahi, blo, bhi)
+    if all(np.asarray(x).dtype.kind in "iub" for x in bounds):  # no NaN (planner's usual case)
+        return np.asarray(out).astype(np.int8)
+    nan = np.isnan(np.stack(np.broadcast_arrays(*bounds)).astype(np.float64)).any(0)
     return np.where(nan, PARTIAL, out).astype(np.int8)
 
 

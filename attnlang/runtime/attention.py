@@ -139,10 +139,10 @@ def validate_plan_inputs(qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
         validate_plan_inputs([0, 1, 2], [0, 3, 4], [7, 2, 5, 0], [5, 16], page_size=16)
         # kv_lens [37, 16]
     """
-    qo = host_int_array(qo_indptr, "qo_indptr")
-    kvp = host_int_array(kv_indptr, "kv_indptr")
-    idx = host_int_array(kv_indices, "kv_indices")
-    last = host_int_array(kv_last_page_len, "kv_last_page_len")
+    qo = _host_ints(qo_indptr, "qo_indptr")
+    kvp = _host_ints(kv_indptr, "kv_indptr")
+    idx = _host_ints(kv_indices, "kv_indices")
+    last = _host_ints(kv_last_page_len, "kv_last_page_len").astype(np.int64, copy=False)
     qo_lens = lengths_from_indptr(qo, "qo_indptr")
     pages = lengths_from_indptr(kvp, "kv_indptr")
     batch = qo_lens.shape[0]
@@ -160,12 +160,17 @@ def validate_plan_inputs(qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
             f"kv_indices must have kv_indptr[-1] = {kvp[-1]} entries (one per page of the "
             f"batch), got {idx.shape[0]}"
         )
-    if idx.size and (idx.min() < 0 or idx.max() > _INT32_MAX):
-        i = int(np.argmax((idx < 0) | (idx > _INT32_MAX)))
-        raise PlanError(f"kv_indices must be page numbers in [0, 2**31), got "
-                        f"kv_indices[{i}] = {idx[i]}")
+    max_page = -1
+    if idx.size:
+        # int32 page numbers cannot exceed the range: one reduction less on the largest array.
+        max_page = int(idx.max())
+        if int(idx.min()) < 0 or max_page > _INT32_MAX:
+            idx = idx.astype(np.int64)
+            i = int(np.argmax((idx < 0) | (idx > _INT32_MAX)))
+            raise PlanError(f"kv_indices must be page numbers in [0, 2**31), got "
+                            f"kv_indices[{i}] = {idx[i]}")
     has_pages = pages > 0
-    bad = np.where(has_pages, (last < 1) | (last > page_size), (last < 0) | (last > page_size))
+    bad = (last > page_size) | (last < has_pages)  # at least 1 with pages, 0 without
     if bad.any():
         i = int(np.argmax(bad))
         want = f"in [1, page_size={page_size}]" if has_pages[i] else (
@@ -183,9 +188,16 @@ def validate_plan_inputs(qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
         raise PlanError("lengths overflow int32")
     return PlanInputs(
         qo_indptr=_i32(qo), kv_indptr=_i32(kvp), kv_indices=_i32(idx),
-        kv_last_page_len=_i32(last), qo_lens=qo_lens, kv_lens=kv_lens,
-        max_page=int(idx.max()) if idx.size else -1,
+        kv_last_page_len=_i32(last), qo_lens=qo_lens, kv_lens=kv_lens, max_page=max_page,
     )
+
+
+def _host_ints(x: Any, name: str) -> np.ndarray:
+    """host_int_array without its int64 copy for a 1-D NumPy integer array (plan()'s usual
+    input): such an array is returned as is, to be read only."""
+    if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind in "iu" and x.size:
+        return x
+    return host_int_array(x, name)
 
 
 @dataclass(frozen=True, eq=False)
@@ -420,7 +432,8 @@ def _check_count(name: str, value: Any) -> None:
 
 
 def _i32(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.int32)
+    """A contiguous int32 copy (never the caller's array: PlanInputs outlives the call)."""
+    return np.array(a, dtype=np.int32)
 
 
 # ---------------------------------------------------------------------------- workspace
@@ -484,22 +497,23 @@ def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: BatchPlan | 
     least layout.total long). Returns how many leading elements must be copied to the GPU.
     A bare Plan (plan_batch) is a decode-only batch: the prefill list is left empty. The
     caller has checked the capacities (the planner's bounds, max_kv_indices)."""
-    values = {
-        "merge_count": np.array([plan.merge_count], dtype=np.int32),
-        "qo_indptr": inputs.qo_indptr, "kv_indptr": inputs.kv_indptr,
-        "kv_last_page_len": inputs.kv_last_page_len, "kv_indices": inputs.kv_indices,
-        **plan.merge_arrays(),
-    }
+    off = layout.offsets
+    host[off["merge_count"]] = plan.merge_count
+    arrays = [("qo_indptr", inputs.qo_indptr), ("kv_indptr", inputs.kv_indptr),
+              ("kv_last_page_len", inputs.kv_last_page_len), ("kv_indices", inputs.kv_indices),
+              *plan.merge_arrays().items()]
     if isinstance(plan, BatchPlan):
-        values.update(plan.decode.work_arrays())
-        values.update({_PREFILL_PREFIX + k: a for k, a in plan.prefill.work_arrays().items()})
+        arrays += plan.decode.work_arrays().items()
+        arrays += [(_PREFILL_PREFIX + k, a) for k, a in plan.prefill.work_arrays().items()]
     else:
-        values.update(plan.work_arrays())
-        values["prefill_work_indptr"] = np.zeros(layout.capacity["prefill_work_indptr"],
-                                                 dtype=np.int32)
-    for name, array in values.items():
-        start = layout.offsets[name]
-        host[start:start + array.shape[0]] = array
+        arrays += plan.work_arrays().items()
+        start = off["prefill_work_indptr"]
+        host[start:start + layout.capacity["prefill_work_indptr"]] = 0
+    for name, array in arrays:
+        n = array.shape[0]
+        if n:  # empty sections (an unused list, no merges) have nothing to write
+            start = off[name]
+            host[start:start + n] = array
     return layout.copy_elems(inputs.kv_indices.shape[0])
 
 

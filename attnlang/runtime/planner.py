@@ -40,10 +40,10 @@ Example::
 
 from __future__ import annotations
 
-import bisect
+import functools
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -210,7 +210,7 @@ def lengths_from_indptr(indptr, name: str) -> np.ndarray:
         raise PlanError(f"{name} must have batch_size + 1 >= 1 entries, got an empty array")
     if a[0] != 0:
         raise PlanError(f"{name} must start at 0, got {name}[0] = {a[0]}")
-    d = np.diff(a)
+    d = a[1:] - a[:-1]  # np.diff, without its Python overhead
     if (d < 0).any():
         i = int(np.argmax(d < 0))
         raise PlanError(
@@ -294,10 +294,9 @@ def plan_batch(
         _check_positive(arg, value)
     if kv_chunk_size is not None:
         _check_positive("kv_chunk_size", kv_chunk_size)
-    qo, kv = _lengths(qo_lens, kv_lens)
+    qo, kv, total_q = _lengths(qo_lens, kv_lens)
     bounds = bounds or PlanBounds()
     batch = qo.shape[0]
-    total_q = int(qo.sum())
     _check_bound(bounds.max_batch_size, "max_batch_size", batch, "requests")
     _check_bound(bounds.max_total_q, "max_total_q", total_q, "query tokens")
     return _schedule(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
@@ -306,8 +305,8 @@ def plan_batch(
                      head_dim=head_dim)
 
 
-def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray]:
-    """Checked int64 qo_lens, kv_lens (plan_batch's Args); raises PlanError."""
+def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
+    """Checked int64 qo_lens, kv_lens (plan_batch's Args) and total_q; raises PlanError."""
     qo = _int_array(qo_lens, "qo_lens")
     kv = _int_array(kv_lens, "kv_lens")
     if qo.shape != kv.shape:
@@ -315,57 +314,55 @@ def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray]:
             f"qo_lens and kv_lens must have one entry per request, got {qo.shape[0]} and "
             f"{kv.shape[0]}"
         )
-    for name, a in (("qo_lens", qo), ("kv_lens", kv)):
-        if (a < 0).any():
-            i = int(np.argmax(a < 0))
-            raise PlanError(f"{name} must be >= 0, got {name}[{i}] = {a[i]}")
-    if (qo > kv).any():
+    # 0 <= qo <= kv implies kv >= 0: two checks in the common case, all of them (in the
+    # order that picks the message) only when one fails.
+    if qo.size and (int(qo.min()) < 0 or (qo > kv).any()):
+        for name, a in (("qo_lens", qo), ("kv_lens", kv)):
+            if (a < 0).any():
+                i = int(np.argmax(a < 0))
+                raise PlanError(f"{name} must be >= 0, got {name}[{i}] = {a[i]}")
         i = int(np.argmax(qo > kv))
         raise PlanError(
             f"request {i} has {qo[i]} queries but only {kv[i]} KV positions: queries are the "
             "last tokens of their sequence (q_pos = kv_len - qo_len + i), so qo_len must be "
             "<= kv_len; append the new tokens' K/V to the cache before planning"
         )
-    if int(kv.max(initial=0)) >= 2**31 or int(qo.sum()) >= 2**31:
+    total_q = int(qo.sum())
+    if int(kv.max(initial=0)) >= 2**31 or total_q >= 2**31:
         raise PlanError("lengths overflow int32: total_q and every kv_len must be < 2**31")
-    return qo, kv
+    return qo, kv, total_q
 
 
 def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
-              kv_align, kv_chunk_size, bounds, mask, head_dim) -> Plan:
-    """plan_batch after its checks (lengths from _lengths, arguments positive)."""
-    batch = qo.shape[0]
+              kv_align, kv_chunk_size, bounds, mask, head_dim, lens32=None) -> Plan:
+    """plan_batch after its checks (lengths from _lengths, arguments positive).
+
+    lens32: the frozen int32 copies of (qo, kv) for the Plan, when the caller has them."""
+    if lens32 is None:
+        lens32 = (_frozen(qo), _frozen(kv))
     if not qo.any():  # no queries: no work (the other kernel's list of a plan_mixed)
-        return _empty_plan(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
+        return _empty_plan(lens32, num_kv_heads=num_kv_heads, group_size=group_size,
                            rows_per_tile=rows_per_tile, num_ctas=num_ctas,
                            min_kv_chunk=min_kv_chunk, kv_align=kv_align,
                            kv_chunk_size=kv_chunk_size)
 
     # 1. Units, ordered (request, kv_head, tile).
-    fused = qo * group_size
-    tiles = -(-fused // rows_per_tile)  # 0 for qo_len == 0: no work
-    per_req_units = tiles * num_kv_heads
-    unit_req = np.repeat(np.arange(batch, dtype=np.int64), per_req_units)
-    first_unit = np.cumsum(per_req_units) - per_req_units
-    local = np.arange(unit_req.shape[0], dtype=np.int64) - first_unit[unit_req]
-    unit_kvh = local // tiles[unit_req] if unit_req.size else local
-    unit_tile = local % tiles[unit_req] if unit_req.size else local
-    unit_row0 = unit_tile * rows_per_tile
-    unit_rows = np.minimum(fused[unit_req] - unit_row0, rows_per_tile)
-    unit_kv = kv[unit_req]
-    num_units = unit_req.shape[0]
+    u = _units(qo, group_size, rows_per_tile, num_kv_heads)
+    num_units = u.req.shape[0]
 
     # 1b. Each unit's KV span [span0, span1) and visible-position count (its KV cost).
     trim = None
-    if mask is not None and num_units:
+    if mask is not None:
         if head_dim is None:
             raise PlanError("plan_batch: head_dim is required with a mask")
-        trim = _trim(mask, qo, kv, unit_req, unit_kvh, unit_row0, unit_rows, tiles,
-                     first_unit, group_size, num_kv_heads, int(head_dim), kv_align)
+        trim = _trim(mask, qo, kv, u, group_size, num_kv_heads, int(head_dim), kv_align)
         span0, span1 = trim.span0, trim.span1
+        span = span1 if span0 is None else span1 - span0
+        if trim.cum is None:  # no tiles (causal decode): as unmasked, over the trimmed spans
+            trim = None
     else:
-        span0, span1 = np.zeros(num_units, dtype=np.int64), unit_kv
-    span = span1 - span0
+        span0, span1 = None, kv[u.req]  # span0 None: every span starts at 0
+        span = span1
 
     # 2. The chunk bound and each unit's chunk count / length (equal chunks of its span).
     if kv_chunk_size is None:
@@ -374,20 +371,33 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         align = kv_align
     else:
         bound, align = int(kv_chunk_size), 1
+    if int(span.max()) <= bound:
+        # Nothing split (decode batches that fill the GPU): one item per unit, its whole span
+        # (what the general path below computes for unit_n == 1), no partial rows, no merges.
+        _check_bound(bounds.max_work_items, "max_work_items", num_units, "work items")
+        kv0 = np.zeros(num_units, dtype=np.int64) if span0 is None else span0
+        kv_cost = span if trim is None else trim.visible_between(None, kv0, span1)
+        cost = ROW_COST * u.rows + KV_COST * kv_cost
+        fields_ = (u.req, u.kvh, u.row0, kv0, span1, np.full(num_units, -1, dtype=np.int64))
+        work = _work_lists(cost, fields_, num_ctas)
+        return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound,
+                     work, _NO_MERGE, 0)
+
     unit_n = np.maximum(-(-span // bound), 1)  # empty span: one empty chunk, unsplit
     chunk_len = -(-span // unit_n)
     chunk_len = -(-chunk_len // align) * align
     unit_n = np.where(span > 0, -(-span // np.maximum(chunk_len, 1)), 1)  # alignment may merge
     unit_split = unit_n > 1
+    if span0 is None:
+        span0 = np.zeros(num_units, dtype=np.int64)
 
     # Items: each unit repeated unit_n times, chunks in KV order.
     item_unit = np.repeat(np.arange(num_units, dtype=np.int64), unit_n)
     item_first = np.cumsum(unit_n) - unit_n
     item_c = np.arange(item_unit.shape[0], dtype=np.int64) - item_first[item_unit]
-    item_req = unit_req[item_unit]
     item_kv0 = span0[item_unit] + item_c * chunk_len[item_unit]
     item_kv1 = np.minimum(item_kv0 + chunk_len[item_unit], span1[item_unit])
-    item_rows = unit_rows[item_unit]
+    item_rows = u.rows[item_unit]
     num_items = item_unit.shape[0]
     _check_bound(bounds.max_work_items, "max_work_items", num_items, "work items")
     if trim is None:
@@ -406,34 +416,146 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
 
     # 3. Longest chunk first to the least-loaded CTA.
     cost = ROW_COST * item_rows + KV_COST * item_kv_cost
-    order = np.argsort(-cost, kind="stable")
-    cta_of_sorted = _assign(cost[order], num_ctas)
-    # Group by CTA, keeping assignment order within a CTA.
-    by_cta = np.argsort(cta_of_sorted, kind="stable")
-    items = order[by_cta]
-    counts = np.bincount(cta_of_sorted, minlength=num_ctas)
-    work_indptr = np.concatenate(([0], np.cumsum(counts)))
+    fields_ = (u.req[item_unit], u.kvh[item_unit], u.row0[item_unit], item_kv0, item_kv1,
+               item_partial)
+    work = _work_lists(cost, fields_, num_ctas)
 
-    merge = _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit, unit_row0,
+    merge = _merge_rows(qo, unit_split, unit_n, u.req, u.tiles, u.first, u.row0,
                         item_first, item_partial, group_size, num_kv_heads, rows_per_tile)
-    merge_count = int(merge[1].shape[0])
-    _check_bound(bounds.max_merge_rows, "max_merge_rows", merge_count, "merge rows")
+    _check_bound(bounds.max_merge_rows, "max_merge_rows", merge.count, "merge rows")
+    return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound,
+                 work, merge, num_partial_rows)
 
+
+@dataclass(frozen=True, eq=False)
+class _Units:
+    """The work units of one list, ordered (request, kv_head, row tile); [units] int64 each
+    unless said otherwise.
+
+    req, kvh, row0, rows: request, KV head, first fused row and fused rows of the unit.
+    cls: index of the unit's (request, row tile), numbered in that order (units of different
+    KV heads that share it see the same query positions). tiles [batch]: row tiles of each
+    request; first [batch]: its first unit."""
+
+    req: np.ndarray
+    kvh: np.ndarray
+    row0: np.ndarray
+    rows: np.ndarray
+    cls: np.ndarray
+    tiles: np.ndarray
+    first: np.ndarray
+    group_size: int
+    _classes: dict = field(default_factory=dict)
+
+    def classes(self, qo, by_head: bool):
+        """The units the mask analysis classifies, for `_trim`: every unit if by_head, else
+        the kv_head 0 unit of each (request, row tile), which stands for all KV heads.
+        Returns (ci, req, qo, q_lo, q_hi, kvh): ci [units] the classified unit standing for
+        each unit, then per classified unit its request, qo_len, query offsets of its first
+        and last fused row within the request, and KV head. Memoized (qo is the Units')."""
+        hit = self._classes.get(by_head)
+        if hit is None:
+            if by_head:
+                ci = cls_units = np.arange(self.req.shape[0], dtype=np.int64)
+            else:
+                ci, cls_units = self.cls, np.flatnonzero(self.kvh == 0)
+            req, row0 = self.req[cls_units], self.row0[cls_units]
+            g = self.group_size
+            hit = (ci, req, qo[req], row0 // g, (row0 + self.rows[cls_units] - 1) // g,
+                   self.kvh[cls_units])
+            for a in hit:
+                a.setflags(write=False)
+            self._classes[by_head] = hit
+        return hit
+
+
+def _units(qo, group_size, rows_per_tile, num_kv_heads) -> _Units:
+    """The units of requests with qo_len queries each (0: none). They depend on qo_lens
+    only, which successive decode steps repeat: the last few (small) ones are memoized."""
+    key = (qo.tobytes(), group_size, rows_per_tile, num_kv_heads)
+    u = _UNITS.get(key)
+    if u is None:
+        u = _make_units(group_size * qo, group_size, rows_per_tile, num_kv_heads)
+        if u.req.shape[0] <= _UNITS_MAX:
+            if len(_UNITS) >= 8:
+                _UNITS.clear()
+            _UNITS[key] = u
+    return u
+
+
+_UNITS: dict[tuple, _Units] = {}
+_UNITS_MAX = 1 << 16  # units of a memoized entry, at most (a few MB)
+
+
+def _make_units(fused, group_size, rows_per_tile, num_kv_heads) -> _Units:
+    tiles = -(-fused // rows_per_tile)  # 0 for qo_len == 0: no work
+    per_req = tiles * num_kv_heads
+    first = np.cumsum(per_req) - per_req
+    if int(fused.max(initial=0)) <= rows_per_tile:
+        # At most one row tile per request (decode): units are (request, kv_head) in order,
+        # all starting at row 0. The general formulas below give the same arrays.
+        unit = np.arange(int(per_req.sum()), dtype=np.int64)
+        cls, kvh = unit // num_kv_heads, unit % num_kv_heads
+        req = np.flatnonzero(tiles)[cls]
+        return _frozen_units(req=req, kvh=kvh, row0=np.zeros_like(req), rows=fused[req],
+                             cls=cls, tiles=tiles, first=first, group_size=group_size)
+    req = np.repeat(np.arange(tiles.shape[0], dtype=np.int64), per_req)
+    local = np.arange(req.shape[0], dtype=np.int64) - first[req]
+    req_tiles = tiles[req]
+    kvh = local // req_tiles
+    tile = local % req_tiles
+    row0 = tile * rows_per_tile
+    rows = np.minimum(fused[req] - row0, rows_per_tile)
+    cls = (np.cumsum(tiles) - tiles)[req] + tile
+    return _frozen_units(req=req, kvh=kvh, row0=row0, rows=rows, cls=cls, tiles=tiles,
+                         first=first, group_size=group_size)
+
+
+def _frozen_units(group_size, **arrays) -> _Units:
+    for a in arrays.values():  # shared by later calls (memoized): never written
+        a.setflags(write=False)
+    return _Units(group_size=group_size, **arrays)
+
+
+def _work_lists(cost, item_fields, num_ctas):
+    """Longest item first to the least-loaded CTA, grouped by CTA in assignment order.
+
+    item_fields: the six [items] int64 arrays of the kernel's work list (request, kv_head,
+    row_start, kv_start, kv_end, partial), in creation order. Returns (work_indptr, block):
+    int32 read-only, block [6, items] holding the fields in work-list order (its rows are the
+    contiguous work_* arrays)."""
+    n = cost.shape[0]
+    if n and int(cost.min()) == int(cost.max()) > 0:
+        # All equal (uniform decode batches): creation order, round robin from CTA 0 (what
+        # the sort and _assign give), so CTA c runs items c, c + m, c + 2m, ...
+        cta_of_sorted = np.arange(n, dtype=np.int64) % num_ctas
+        grid = np.arange(-(-n // num_ctas) * num_ctas).reshape(-1, num_ctas).T.ravel()
+        items = grid[grid < n]
+    else:
+        order = np.argsort(-cost, kind="stable")
+        cta_of_sorted = _assign(cost[order], num_ctas)
+        # Group by CTA, keeping assignment order within a CTA.
+        items = order[np.argsort(cta_of_sorted, kind="stable")]
+    work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
+    np.cumsum(np.bincount(cta_of_sorted, minlength=num_ctas), out=work_indptr[1:])
+    work_indptr.setflags(write=False)
+    # One int32 conversion and one gather for all six arrays (np.take keeps rows contiguous).
+    block = np.take(np.array(item_fields, dtype=np.int32), items, axis=1)
+    block.setflags(write=False)
+    return work_indptr, block
+
+
+def _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound, work,
+          merge, num_partial_rows) -> Plan:
+    work_indptr, w = work
     return Plan(
         num_ctas=int(num_ctas), num_kv_heads=int(num_kv_heads), group_size=int(group_size),
         rows_per_tile=int(rows_per_tile), kv_chunk_size=int(bound),
-        qo_lens=_frozen(qo), kv_lens=_frozen(kv),
-        work_indptr=_frozen(work_indptr),
-        work_request=_frozen(item_req[items]),
-        work_kv_head=_frozen(unit_kvh[item_unit[items]]),
-        work_row_start=_frozen(unit_row0[item_unit[items]]),
-        work_kv_start=_frozen(item_kv0[items]),
-        work_kv_end=_frozen(item_kv1[items]),
-        work_partial=_frozen(item_partial[items]),
-        merge_count=merge_count,
-        merge_indptr=_frozen(merge[0]), merge_slots=_frozen(merge[4]),
-        merge_token=_frozen(merge[1]), merge_head=_frozen(merge[2]),
-        merge_request=_frozen(merge[3]),
+        qo_lens=lens32[0], kv_lens=lens32[1], work_indptr=work_indptr,
+        work_request=w[0], work_kv_head=w[1], work_row_start=w[2], work_kv_start=w[3],
+        work_kv_end=w[4], work_partial=w[5],
+        merge_count=merge.count, merge_indptr=merge.indptr, merge_slots=merge.slots,
+        merge_token=merge.token, merge_head=merge.head, merge_request=merge.request,
         num_partial_rows=num_partial_rows,
     )
 
@@ -444,9 +566,18 @@ _ZERO_I32 = np.zeros(1, dtype=np.int32)
 _ZERO_I32.setflags(write=False)
 
 
-def _empty_plan(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
+@functools.lru_cache(maxsize=16)
+def _zeros_i32(n: int) -> np.ndarray:
+    """A shared read-only int32 array of n zeros (an empty list's work_indptr, qo_lens)."""
+    out = np.zeros(n, dtype=np.int32)
+    out.setflags(write=False)
+    return out
+
+
+def _empty_plan(lens32, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
                 kv_align, kv_chunk_size) -> Plan:
-    """The plan of a batch without queries: no items, no partial rows, no merges."""
+    """The plan of a batch without queries: no items, no partial rows, no merges.
+    lens32: its frozen int32 (qo_lens, kv_lens)."""
     if kv_chunk_size is None:
         bound = chunk_bound(0, num_ctas, min_kv_chunk=min_kv_chunk, kv_align=kv_align)
     else:
@@ -455,8 +586,7 @@ def _empty_plan(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, mi
     return Plan(
         num_ctas=int(num_ctas), num_kv_heads=int(num_kv_heads), group_size=int(group_size),
         rows_per_tile=int(rows_per_tile), kv_chunk_size=int(bound),
-        qo_lens=_frozen(qo), kv_lens=_frozen(kv),
-        work_indptr=_frozen(np.zeros(num_ctas + 1, dtype=np.int32)),
+        qo_lens=lens32[0], kv_lens=lens32[1], work_indptr=_zeros_i32(int(num_ctas) + 1),
         work_request=e, work_kv_head=e, work_row_start=e, work_kv_start=e, work_kv_end=e,
         work_partial=e, merge_count=0, merge_indptr=_ZERO_I32, merge_slots=e,
         merge_token=e, merge_head=e, merge_request=e, num_partial_rows=0,
@@ -466,39 +596,69 @@ def _empty_plan(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, mi
 def _assign(sorted_cost: np.ndarray, num_ctas: int) -> np.ndarray:
     """Greedy LPT: item i (costs sorted descending) -> the least-loaded CTA, ties by index.
 
-    Exactly the heap algorithm; long runs of equal cost (uniform batches) take a vectorized
-    path that provably picks the same CTAs (see _assign_equal).
+    Exactly the heap algorithm (`_assign_heap`), in vectorized steps where they provably
+    pick the same CTAs: a long run of equal costs (`_assign_equal`), else a round of one
+    item per CTA (`_assign_round`); the heap itself where a round places few items.
     """
-    n = sorted_cost.shape[0]
-    if n <= num_ctas:
+    n, m = sorted_cost.shape[0], num_ctas
+    if n <= m:
         # Every CTA is empty when its item arrives: the heap would pick CTA i for item i.
         return np.arange(n, dtype=np.int64)
-    loads = np.zeros(num_ctas, dtype=np.int64)
+    if sorted_cost[-1] == sorted_cost[0] > 0:
+        # All equal (uniform decode batches): round robin from CTA 0 (see _assign_equal).
+        return np.arange(n, dtype=np.int64) % m
+    loads = np.zeros(m, dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
-    # Runs of equal cost: [starts[r], starts[r+1]).
-    starts = np.flatnonzero(np.diff(sorted_cost, prepend=sorted_cost[0] + 1))
-    bounds = np.append(starts, n).tolist()
     i = 0
+    if sorted_cost[m - 1] > 0:
+        # Every CTA is empty when one of the first m items arrives: CTA i takes item i.
+        out[:m] = np.arange(m)
+        loads[:] = sorted_cost[:m]
+        i = m
     while i < n:
-        r = bisect.bisect_right(bounds, i) - 1
-        run_end = bounds[r + 1]
-        if run_end - i >= _RUN_MIN:
-            picks = _assign_equal(loads, int(sorted_cost[i]), run_end - i)
+        c = int(sorted_cost[i])
+        if c > 0 and i + _RUN_MIN <= n and sorted_cost[i + _RUN_MIN - 1] == c:  # a long run
+            end = i + int(np.count_nonzero(sorted_cost[i:] == c))
+            picks = _assign_equal(loads, c, end - i)
             if picks is not None:
-                out[i:run_end] = picks
-                i = run_end
+                out[i:end] = picks
+                i = end
                 continue
-        # Heap stretch up to the next long run.
-        stop = run_end
-        while stop < n and bounds[bisect.bisect_right(bounds, stop)] - stop < _RUN_MIN:
-            stop = bounds[bisect.bisect_right(bounds, stop)]
-        out[i:stop] = _assign_heap(loads, sorted_cost[i:stop])
-        i = stop
+        placed = _assign_round(loads, sorted_cost[i:i + m], out[i:i + m])
+        i += placed
+        if placed < _RUN_MIN and i < n:
+            # Loads too uneven for rounds: the heap for a while (a round costs about as much
+            # as the heap placing a few dozen items).
+            stop = min(n, i + max(m, _HEAP_STRETCH))
+            out[i:stop] = _assign_heap(loads, sorted_cost[i:stop])
+            i = stop
     return out
 
 
-# Shortest run of equal costs worth the vectorized path.
+# Shortest run of equal costs (or round) worth a vectorized step; heap stretch after a short
+# round.
 _RUN_MIN = 64
+_HEAP_STRETCH = 256
+
+
+def _assign_round(loads: np.ndarray, costs: np.ndarray, out: np.ndarray) -> int:
+    """Place the next b >= 1 items (costs sorted descending, at most one per CTA) as the heap
+    would, for the largest b this proves; updates `loads`, writes out[:b], returns b.
+
+    With the CTAs in heap order s_1 < s_2 < ... (by (load, index)), item i goes to s_i as long
+    as no CTA that took an item of this round comes back before s_i: those keys are at least
+    L(s_1) + costs[b - 1], so ``L(s_1) + costs[i] > L(s_i)`` for i < b suffices (both sides
+    are monotone in i). Item 0 always goes to s_1.
+    """
+    order = np.argsort(loads, kind="stable")  # ties by index: the heap's (load, cta) order
+    k = costs.shape[0]
+    least = loads[order[:k]]
+    ok = least[0] + costs > least
+    b = k if ok.all() else max(int(ok.argmin()), 1)
+    picks = order[:b]
+    out[:b] = picks
+    loads[picks] += costs[:b]
+    return b
 
 
 def _assign_heap(loads: np.ndarray, costs: np.ndarray) -> np.ndarray:
@@ -525,12 +685,18 @@ def _assign_equal(loads: np.ndarray, c: int, k: int) -> np.ndarray | None:
 
     Giving an item to CTA j at load L turns its heap key into L + c, CTA j's next candidate,
     so the heap's picks are the k smallest pairs (L_j + t c, j), t >= 0, in (value, j)
-    order. The k-th smallest value is at most max(L) + c ceil(k / m) (every CTA has
-    ceil(k/m) + 1 candidates up to there), so only those candidates are generated. Returns
-    None (use the heap) when the loads are so uneven that there would be too many.
+    order. Equal loads make that round robin from CTA 0. Otherwise the k-th smallest value is
+    at most max(L) + c ceil(k / m) (every CTA has ceil(k/m) + 1 candidates up to there), so
+    only those candidates are generated. Returns None (use the heap) when the loads are so
+    uneven that there would be too many.
     """
     m = loads.shape[0]
-    hi = int(loads.max()) + c * -(-k // m)
+    top = int(loads.max())
+    if int(loads.min()) == top and c > 0:
+        picks = np.arange(k, dtype=np.int64) % m
+        loads += c * (k // m + (np.arange(m) < k % m))
+        return picks
+    hi = top + c * -(-k // m)
     per_cta = (hi - loads) // c + 1
     total = int(per_cta.sum())
     if total > 8 * k + 2 * m:
@@ -543,19 +709,34 @@ def _assign_equal(loads: np.ndarray, c: int, k: int) -> np.ndarray | None:
     return picks
 
 
+@dataclass(frozen=True, eq=False)
+class _Merge:
+    """A list's merge rows (Plan's merge_* fields): frozen int32 arrays and their count."""
+
+    count: int
+    indptr: np.ndarray
+    slots: np.ndarray
+    token: np.ndarray
+    head: np.ndarray
+    request: np.ndarray
+
+
+_NO_MERGE = _Merge(0, _ZERO_I32, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32)
+
+
 def _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit_of_req, unit_row0,
-                unit_first_item, item_partial, group_size, num_kv_heads, rows_per_tile):
-    """(indptr, token, head, request, slots) of the merge rows, ordered (request, token, head).
+                unit_first_item, item_partial, group_size, num_kv_heads, rows_per_tile) -> _Merge:
+    """The merge rows, ordered (request, token, head).
 
     Units are numbered (request, kv_head, tile) from first_unit_of_req[request]; the items of
     a unit are its unit_n[unit] chunks in KV order from unit_first_item[unit]; a merge row is
     a (token, head) whose unit is split. The partial row of (token i, head kv_head * group + g)
     in chunk c is ``item_partial[unit_first_item[unit] + c] + (i * group + g - row_start)``.
     """
-    empty = np.zeros(0, dtype=np.int64)
     if not unit_split.any():
-        return np.zeros(1, dtype=np.int64), empty, empty, empty, empty
-    reqs = np.unique(unit_req[unit_split])
+        return _NO_MERGE
+    # Requests with a split unit, ascending.
+    reqs = np.flatnonzero(np.bincount(unit_req[unit_split], minlength=qo.shape[0]))
     num_heads = num_kv_heads * group_size
     qo_start = np.cumsum(qo) - qo
 
@@ -574,12 +755,17 @@ def _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit_of_req, unit
         m_req, i, head, fused, unit = m_req[keep], i[keep], head[keep], fused[keep], unit[keep]
     offset = fused - unit_row0[unit]
     n = unit_n[unit]
-    indptr = np.concatenate(([0], np.cumsum(n)))
+    indptr = np.zeros(n.shape[0] + 1, dtype=np.int64)
+    np.cumsum(n, out=indptr[1:])
     # Slot of chunk c of merge row m: partial start of item (first item of unit + c) + offset.
-    m_of_slot = np.repeat(np.arange(m_req.shape[0]), n)
-    c = np.arange(m_of_slot.shape[0], dtype=np.int64) - indptr[:-1][m_of_slot]
-    slots = item_partial[unit_first_item[unit[m_of_slot]] + c] + offset[m_of_slot]
-    return indptr, qo_start[m_req] + i, head, m_req, slots
+    # Slot s = indptr[m] + c reads item s - (indptr[m] - first item of unit): per-row values
+    # repeated over the row's slots (np.repeat is cheaper than gathers per slot).
+    shift = np.repeat(indptr[:-1] - unit_first_item[unit], n)
+    slots = item_partial[np.arange(shift.shape[0], dtype=np.int64) - shift] + np.repeat(offset, n)
+    rows = np.array((qo_start[m_req] + i, head, m_req)).astype(np.int32)  # one conversion
+    rows.setflags(write=False)
+    return _Merge(count=int(m_req.shape[0]), indptr=_frozen(indptr), slots=_frozen(slots),
+                  token=rows[0], head=rows[1], request=rows[2])
 
 
 # KV tiles of the planner's mask analysis: at least this many keys (a multiple of the
@@ -592,7 +778,7 @@ TRIM_TILE = 128
 class _Trim:
     """Per unit: KV span [span0, span1) and, per (unit, tile) pair, visible positions."""
 
-    span0: np.ndarray
+    span0: np.ndarray | None  # None: all 0 (no unit needed tiles)
     span1: np.ndarray
     tile: int
     pair_off: np.ndarray | None  # [units] first pair of the unit's representative
@@ -601,16 +787,42 @@ class _Trim:
 
     def visible_between(self, unit, kv0, kv1) -> np.ndarray:
         """Positions of non-EMPTY tiles in [kv0, kv1) (tile-granular: a chunk boundary
-        inside a tile counts that tile in full, capped at the chunk length)."""
+        inside a tile counts that tile in full, capped at the chunk length). unit: the
+        unit of each range; None: one range per unit, in unit order."""
         if self.cum is None:  # no unit needed tiles
             return kv1 - kv0
-        ntile = self.ntile[unit]
+        ntile = self.ntile if unit is None else self.ntile[unit]
         tiled = ntile > 0  # else the unit's span is all FULL (or empty)
         t0 = np.where(tiled, kv0 // self.tile, 0)
         t1 = np.minimum(-(-kv1 // self.tile), ntile)
-        off = self.pair_off[unit]
+        off = self.pair_off if unit is None else self.pair_off[unit]
         vis = self.cum[off + np.maximum(t1, t0)] - self.cum[off + t0]
         return np.where(tiled, np.minimum(vis, kv1 - kv0), kv1 - kv0)
+
+
+@functools.cache
+def _mask_tiles():
+    """attnlang.codegen.mask_tiles, imported on first use (an import statement per call
+    costs microseconds)."""
+    from attnlang.codegen import mask_tiles
+
+    return mask_tiles
+
+
+def _reads_head(mask) -> bool:
+    """Whether the mask reads `head` or `kv_head` (memoized per mask object: plan() asks
+    with the same mask every call)."""
+    hit = _READS_HEAD.get(id(mask))
+    if hit is None or hit[0] is not mask:
+        if len(_READS_HEAD) >= 64:
+            _READS_HEAD.clear()
+        names = _mask_names(mask, set())
+        hit = _READS_HEAD[id(mask)] = (mask, "head" in names or "kv_head" in names)
+    return hit[1]
+
+
+# id(mask) -> (mask, reads head): the mask is kept so its id cannot be reused meanwhile.
+_READS_HEAD: dict[int, tuple[Any, bool]] = {}
 
 
 def _mask_names(e, out: set) -> set:
@@ -629,8 +841,7 @@ def _mask_names(e, out: set) -> set:
     return out
 
 
-def _trim(mask, qo, kv, unit_req, unit_kvh, unit_row0, unit_rows, tiles, first_unit,
-          group_size, num_kv_heads, head_dim, kv_align) -> _Trim:
+def _trim(mask, qo, kv, u: _Units, group_size, num_kv_heads, head_dim, kv_align) -> _Trim:
     """Classify every (unit, KV tile) pair with the mask analysis at the unit's query
     positions (q_pos = kv_len - qo_len + fused_row // group) in one vectorised call, and
     trim each unit to its first .. last non-EMPTY tile. Sound: the analysis is conservative
@@ -638,45 +849,33 @@ def _trim(mask, qo, kv, unit_req, unit_kvh, unit_row0, unit_rows, tiles, first_u
     visible pair leave the span. A unit with no non-EMPTY tile gets the empty span [0, 0):
     one item that writes its rows' o = 0 / lse = -inf. Units of different KV heads share
     the classification when the mask reads neither `head` nor `kv_head`."""
-    from attnlang.codegen.mask_tiles import EMPTY, FULL, PARTIAL, TileEnv, classify_tiles
-
+    mt = _mask_tiles()
+    EMPTY, FULL, PARTIAL, TileEnv, classify_tiles = (  # noqa: N806
+        mt.EMPTY, mt.FULL, mt.PARTIAL, mt.TileEnv, mt.classify_tiles)
     tile = -(-TRIM_TILE // kv_align) * kv_align
-    num_units = unit_req.shape[0]
-    names = _mask_names(mask, set())
-    if "head" in names or "kv_head" in names:
-        rep = cls_units = np.arange(num_units, dtype=np.int64)
-    else:  # the kv_head 0 unit of the same (request, row tile) stands for every KV head
-        # unit index = first_unit[req] + kvh * tiles[req] + row_tile
-        rep = np.arange(num_units, dtype=np.int64) - unit_kvh * tiles[unit_req]
-        cls_units = np.flatnonzero(unit_kvh == 0)
-    req = unit_req[cls_units]
-    q_first = kv[req] - qo[req]
-    row0 = unit_row0[cls_units]
-    q_lo = q_first + row0 // group_size
-    q_hi = q_first + (row0 + unit_rows[cls_units] - 1) // group_size
+    ci, req, qo_c, lo, hi, kvh = u.classes(qo, _reads_head(mask))
     kv_len = kv[req]
-    kvh = unit_kvh[cls_units]
+    q_first = kv_len - qo_c
+    q_lo, q_hi = q_first + lo, q_first + hi
+    num_cls = req.shape[0]
     geometry = dict(num_heads=num_kv_heads * group_size, num_kv_heads=num_kv_heads,
                     head_dim=head_dim)
     # Level 0: the unit's whole range. FULL (causal decode) or EMPTY needs no tiles.
-    whole = classify_tiles(mask, TileEnv(q_lo=q_lo, q_hi=q_hi, kv_lo=np.zeros_like(kv_len),
+    whole = classify_tiles(mask, TileEnv(q_lo=q_lo, q_hi=q_hi, kv_lo=_ZERO_POS,
                                          kv_hi=kv_len - 1, batch=req, kv_head=kvh,
-                                         qo_len=qo[req], kv_len=kv_len, **geometry))
+                                         qo_len=qo_c, kv_len=kv_len, **geometry))
     tiled = whole == PARTIAL
     if not tiled.any():
-        s1_c = np.where(whole == FULL, kv_len, 0)
-        ci = np.searchsorted(cls_units, rep) if cls_units.shape[0] != num_units else rep
-        s1 = s1_c[ci]
-        return _Trim(span0=np.zeros_like(s1), span1=s1, tile=tile, pair_off=None, ntile=None,
-                     cum=None)
+        s1 = np.where(whole == FULL, kv_len, 0)[ci]
+        return _Trim(span0=None, span1=s1, tile=tile, pair_off=None, ntile=None, cum=None)
     ntile_c = np.where(tiled, -(-kv_len // tile), 0)
-    p_of = np.repeat(np.arange(cls_units.shape[0], dtype=np.int64), ntile_c)
+    p_of = np.repeat(np.arange(num_cls, dtype=np.int64), ntile_c)
     first_pair = np.cumsum(ntile_c) - ntile_c
     t = np.arange(p_of.shape[0], dtype=np.int64) - first_pair[p_of]
     kv_lo = t * tile
     kv_hi = np.minimum(kv_lo + tile, kv_len[p_of]) - 1
     env = TileEnv(q_lo=q_lo[p_of], q_hi=q_hi[p_of], kv_lo=kv_lo, kv_hi=kv_hi,
-                  batch=req[p_of], kv_head=kvh[p_of], qo_len=qo[req][p_of],
+                  batch=req[p_of], kv_head=kvh[p_of], qo_len=qo_c[p_of],
                   kv_len=kv_len[p_of], **geometry)
     visible = (classify_tiles(mask, env) != EMPTY) if p_of.size else np.zeros(0, bool)
     vis_pos = np.where(visible, kv_hi - kv_lo + 1, 0)
@@ -684,25 +883,26 @@ def _trim(mask, qo, kv, unit_req, unit_kvh, unit_row0, unit_rows, tiles, first_u
     # First / last non-EMPTY tile per classified unit (pairs are ordered (unit, tile)).
     nz = np.flatnonzero(visible)
     nz_unit = p_of[nz]
-    has = np.zeros(cls_units.shape[0], dtype=bool)
-    t_first = np.zeros(cls_units.shape[0], dtype=np.int64)
-    t_last = np.full(cls_units.shape[0], -1, dtype=np.int64)
+    has = np.zeros(num_cls, dtype=bool)
+    t_first = np.zeros(num_cls, dtype=np.int64)
+    t_last = np.full(num_cls, -1, dtype=np.int64)
     if nz.size:
         starts = np.flatnonzero(np.diff(nz_unit, prepend=-1))
         ends = np.append(starts[1:], nz.size) - 1
-        u = nz_unit[starts]
-        has[u] = True
-        t_first[u] = t[nz[starts]]
-        t_last[u] = t[nz[ends]]
+        w = nz_unit[starts]
+        has[w] = True
+        t_first[w] = t[nz[starts]]
+        t_last[w] = t[nz[ends]]
     s0_c = np.where(has, t_first * tile, 0)
     s1_c = np.where(has, np.minimum((t_last + 1) * tile, kv_len), 0)
     s1_c = np.where(whole == FULL, kv_len, s1_c)  # untiled: FULL whole range, EMPTY [0, 0)
     # Map every unit to its classified representative.
-    where = np.empty(num_units, dtype=np.int64)
-    where[cls_units] = np.arange(cls_units.shape[0], dtype=np.int64)
-    ci = where[rep]
     return _Trim(span0=s0_c[ci], span1=s1_c[ci], tile=tile, pair_off=first_pair[ci],
                  ntile=ntile_c[ci], cum=cum)
+
+
+_ZERO_POS = np.zeros((), dtype=np.int64)  # kv_lo of every whole range (broadcasts)
+_ZERO_POS.setflags(write=False)
 
 
 def _item_rows(fused_rows: np.ndarray, row_start: np.ndarray, rows_per_tile: int) -> np.ndarray:
@@ -726,12 +926,14 @@ def _int_array(x, name: str) -> np.ndarray:
         raise PlanError(f"{name} must be a 1-D array of integers, got shape {a.shape}")
     if a.size == 0:
         return np.zeros(0, dtype=np.int64)
-    if a.dtype == bool or not np.issubdtype(a.dtype, np.integer):
+    if a.dtype.kind not in "iu":  # not bool, float, object...
         raise PlanError(f"{name} must hold integers, got dtype {a.dtype}")
-    return a.astype(np.int64)
+    return a.astype(np.int64, copy=False)  # read only: no copy needed
 
 
 def _check_positive(name: str, value) -> None:
+    if type(value) is int and value >= 1:  # the usual case, first (plan() calls this often)
+        return
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
         raise PlanError(f"{name} must be a positive integer, got {value!r}")
 
@@ -860,39 +1062,58 @@ def plan_mixed(
         _check_positive(arg, value)
     if kv_chunk_size is not None:
         _check_positive("kv_chunk_size", kv_chunk_size)
-    qo, kv = _lengths(qo_lens, kv_lens)
+    qo, kv, total_q = _lengths(qo_lens, kv_lens)
     bounds = bounds or PlanBounds()
     _check_bound(bounds.max_batch_size, "max_batch_size", qo.shape[0], "requests")
-    _check_bound(bounds.max_total_q, "max_total_q", int(qo.sum()), "query tokens")
-    to_prefill = qo * group_size > prefill_min_rows
-    per_list = PlanBounds(max_work_items=bounds.max_work_items)
+    _check_bound(bounds.max_total_q, "max_total_q", total_q, "query tokens")
+    per_list = _list_bounds(bounds.max_work_items)
     common = dict(num_kv_heads=num_kv_heads, group_size=group_size, min_kv_chunk=min_kv_chunk,
                   kv_chunk_size=kv_chunk_size, bounds=per_list, mask=mask, head_dim=head_dim)
     if mask is not None and head_dim is None:
         raise PlanError("plan_mixed: head_dim is required with a mask")
-    any_prefill = bool(to_prefill.any())
-    zeros = np.zeros_like(qo)
-    dec = _schedule(np.where(to_prefill, 0, qo) if any_prefill else qo, kv,
-                    rows_per_tile=decode.rows_per_tile, num_ctas=decode.num_ctas,
-                    kv_align=decode.kv_align, **common)
-    pre = _schedule(np.where(to_prefill, qo, 0) if any_prefill else zeros, kv,
-                    rows_per_tile=prefill.rows_per_tile, num_ctas=prefill.num_ctas,
-                    kv_align=prefill.kv_align, **common)
+    any_prefill = int(qo.max(initial=0)) * group_size > prefill_min_rows
+    # The lists' Plans share the frozen kv_lens; a decode-only batch's prefill list gets
+    # shared zeros for its qo_lens (and the other way round).
+    kv32, no_q = _frozen(kv), _zeros_i32(qo.shape[0])
+    if any_prefill:
+        to_prefill = qo * group_size > prefill_min_rows
+        dec_qo, pre_qo = np.where(to_prefill, 0, qo), np.where(to_prefill, qo, 0)
+        dec_lens, pre_lens = (_frozen(dec_qo), kv32), (_frozen(pre_qo), kv32)
+    else:
+        dec_qo, pre_qo = qo, None
+        dec_lens, pre_lens = (_frozen(qo), kv32), (no_q, kv32)
+    dec = _schedule(dec_qo, kv, rows_per_tile=decode.rows_per_tile, num_ctas=decode.num_ctas,
+                    kv_align=decode.kv_align, lens32=dec_lens, **common)
+    if pre_qo is None:
+        pre = _empty_plan(pre_lens, num_kv_heads=num_kv_heads, group_size=group_size,
+                          rows_per_tile=prefill.rows_per_tile, num_ctas=prefill.num_ctas,
+                          min_kv_chunk=min_kv_chunk, kv_align=prefill.kv_align,
+                          kv_chunk_size=kv_chunk_size)
+    else:
+        pre = _schedule(pre_qo, kv, rows_per_tile=prefill.rows_per_tile,
+                        num_ctas=prefill.num_ctas, kv_align=prefill.kv_align, lens32=pre_lens,
+                        **common)
     if dec.merge_count == 0 and pre.merge_count == 0:
         # Nothing split (no partial rows either): nothing to renumber or merge.
         return BatchPlan(decode=dec, prefill=pre, merge_count=0, merge_indptr=_ZERO_I32,
                          merge_slots=_EMPTY_I32, merge_token=_EMPTY_I32,
                          merge_head=_EMPTY_I32, merge_request=_EMPTY_I32, num_partial_rows=0)
-    # Each sub-plan's qo_lens are the queries its list covers (0 for the other kernel's
-    # requests). The prefill list's partial rows follow the decode list's.
-    shift = dec.num_partial_rows
-    pre = replace(pre, work_partial=_frozen(
-        np.where(pre.work_partial >= 0, pre.work_partial.astype(np.int64) + shift, -1)))
     num_partial_rows = dec.num_partial_rows + pre.num_partial_rows
     _check_bound(bounds.max_partial_rows, "max_partial_rows", num_partial_rows,
                  "partial rows (split-KV states)")
     merge_count = dec.merge_count + pre.merge_count
     _check_bound(bounds.max_merge_rows, "max_merge_rows", merge_count, "merge rows")
+    if not any_prefill:
+        # Decode only: the decode list's merge rows already use the batch's numbering.
+        return BatchPlan(decode=dec, prefill=pre, merge_count=merge_count,
+                         merge_indptr=dec.merge_indptr, merge_slots=dec.merge_slots,
+                         merge_token=dec.merge_token, merge_head=dec.merge_head,
+                         merge_request=dec.merge_request, num_partial_rows=num_partial_rows)
+    # Each sub-plan's qo_lens are the queries its list covers (0 for the other kernel's
+    # requests). The prefill list's partial rows follow the decode list's.
+    shift = dec.num_partial_rows
+    pre = replace(pre, work_partial=_frozen(
+        np.where(pre.work_partial >= 0, pre.work_partial.astype(np.int64) + shift, -1)))
     indptr = np.concatenate((dec.merge_indptr, pre.merge_indptr[1:] + dec.merge_indptr[-1]))
     # A sub-plan numbers merge tokens from its own qo_lens (the other kernel's requests have
     # none there): move them to the batch's token numbering.
@@ -911,6 +1132,12 @@ def plan_mixed(
         merge_request=_frozen(np.concatenate((dec.merge_request, pre.merge_request))),
         num_partial_rows=num_partial_rows,
     )
+
+
+@functools.lru_cache(maxsize=16)
+def _list_bounds(max_work_items: int | None) -> PlanBounds:
+    """One list's bounds in plan_mixed: work items only (the others cap both lists)."""
+    return PlanBounds(max_work_items=max_work_items)
 
 
 def worst_case_mixed_bounds(*, max_batch_size: int, max_total_q: int, num_kv_heads: int,
