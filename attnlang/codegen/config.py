@@ -19,10 +19,10 @@ merge (kernels_templates/merge.cu.j2), block (TX, ROWS, 1): one TX-lane group pe
 grid-stride over rows; no shared memory.
 
 prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS, 1, 1): tensor cores (mma.sync
-m16n8k16), each warp owns 16 fused rows, so a work item covers R = 16 * WARPS rows (64). KV
-tiles of `kv_tile` keys per head_dim (`_PREFILL_SHAPE`: 128 / 64 / 32 keys for head_dim
-64 / 128 / 256, the most the registers hold without spills: Q, O and S fragments take
-head_dim/4 + head_dim/2 + kv_tile/2 registers per lane) stream through a `stages`-deep
+m16n8k16), each warp owns 16 * ROW_BLOCKS fused rows, so a work item covers
+R = 16 * ROW_BLOCKS * WARPS rows (128). KV tiles of `kv_tile` keys (`_PREFILL_SHAPE`, per
+head_dim: the most the registers hold without spills; O and S fragments take
+ROW_BLOCKS * (head_dim/2 + kv_tile/2) registers per lane) stream through a `stages`-deep
 cp.async ring; shared memory = K and V stages plus the [R][head_dim] Q tile.
 """
 
@@ -54,13 +54,16 @@ _STAGES = 3
 _TILE_BYTES = 16 * 1024  # K + V bytes of one pipeline stage
 _CHUNK = 4  # keys per online-softmax update (amortises the o rescale)
 _MERGE_THREADS = 128
-# prefill: warps per CTA (16 fused rows each) and, per head_dim, (KV tile keys, pipeline
-# stages, CTAs per SM for __launch_bounds__). One CTA of 8 warps (128 fused rows) per SM:
-# against two CTAs of 4 warps it halves the K/V traffic from L2 per query row, and measured
-# 4% faster on causal S16384 and 8-19% on B8 S2048, soft-cap and ALiBi (benchmarks/NOTES.md).
-_PREFILL_WARPS = 8
-_PREFILL_SHAPE = {hd: (tile, stages, 8 // _PREFILL_WARPS)
-                  for hd, (tile, stages) in {64: (128, 2), 128: (64, 2), 256: (32, 2)}.items()}
+# prefill, per head_dim: (KV tile keys, pipeline stages, warps per CTA, 16-row blocks per
+# warp, CTAs per SM for __launch_bounds__). 32 rows per warp make every K/V fragment read from
+# shared memory feed two mmas (16 rows per warp were bound by shared-memory bandwidth, v2 in
+# benchmarks/NOTES.md); at head_dim 256 O alone would not fit, so it keeps 16 rows per warp
+# and 8 warps. Every shape is a 128-row work item.
+_PREFILL_SHAPE = {
+    64: (64, 3, 4, 2, 2),
+    128: (64, 2, 4, 2, 2),
+    256: (32, 2, 8, 1, 1),
+}
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class TemplateShape:
     chunk: int  # keys per softmax update (decode), 0 for merge
     max_threads: int  # __launch_bounds__: most threads per CTA
     min_blocks: int  # __launch_bounds__: CTAs of max_threads per SM (a register cap)
+    row_blocks: int = 1  # prefill: 16-row mma blocks per warp
 
 
 @dataclass(frozen=True)
@@ -144,9 +148,9 @@ def template_shape(kind: str, head_dim: int, dtype: str) -> TemplateShape:
     if kind == "merge":
         return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, 0, 0, 0, _MERGE_THREADS, 1)
     if kind == "prefill":
-        kv_tile, stages, min_blocks = _PREFILL_SHAPE[head_dim]
+        kv_tile, stages, warps, row_blocks, min_blocks = _PREFILL_SHAPE[head_dim]
         return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, kv_tile, stages, 0,
-                             32 * _PREFILL_WARPS, min_blocks)
+                             32 * warps, min_blocks, row_blocks)
     kv_tile = _TILE_BYTES // (2 * head_dim * size)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
@@ -172,7 +176,7 @@ def launch_config(kind: str, head_dim: int, group_size: int,
     >>> launch_config("merge", 128, 4)
     LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=0, kv_tile=0)
     >>> launch_config("prefill", 128, 4)
-    LaunchConfig(block=(128, 1, 1), rows_per_tile=64, smem_bytes=81920, kv_tile=64)
+    LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=98304, kv_tile=64)
 
     The prefill kernel's rows do not depend on group_size: its R fused rows cover R / group
     queries of every head of the group.
@@ -186,7 +190,7 @@ def launch_config(kind: str, head_dim: int, group_size: int,
         return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
     if kind == "prefill":
         size = DTYPES[dtype][1]
-        rows = 16 * (shape.max_threads // 32)
+        rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         stages = 2 * shape.stages * shape.kv_tile * head_dim * size  # K and V stages
         return LaunchConfig((shape.max_threads, 1, 1), rows, stages + rows * head_dim * size,
                             shape.kv_tile)

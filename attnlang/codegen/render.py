@@ -82,6 +82,7 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int) -> dict[str, obj
         "chunk": shape.chunk,
         "max_threads": shape.max_threads,
         "min_blocks": shape.min_blocks,
+        "row_blocks": shape.row_blocks,
         "hooks_source": _header("mask_tiles.cuh") + "\n" + hooks.source,
         "variant_params": hooks.kernel_params_decl,
         "params_init": hooks.params_init,

@@ -618,7 +618,7 @@ class BatchAttention:
 
     Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
     rows per work item) or, when it has more than PREFILL_MIN_ROWS fused rows
-    (qo_len * group), in the prefill kernel (tensor cores, 64-row tiles); a batch may mix
+    (qo_len * group), in the prefill kernel (tensor cores, 128-row tiles); a batch may mix
     both (planner.plan_mixed). Split requests of either kind merge in one merge kernel.
 
     Streams: plan() copies on CuPy's current stream; run() launches on the caller's current

@@ -26,7 +26,7 @@ The plan is pure data: contiguous, read-only int32 NumPy arrays that the runtime
 a device workspace with one host-to-device copy. Nothing here touches a GPU.
 
 Two kernels, one plan (`plan_mixed`): requests with more than PREFILL_MIN_ROWS fused rows
-(qo_len * group_size) go to the prefill kernel (tensor cores, 64-row tiles), the others to the
+(qo_len * group_size) go to the prefill kernel (tensor cores, 128-row tiles), the others to the
 decode kernel. Each kernel gets its own work list, scheduled by `plan_batch` over its own
 grid with the other kernel's requests given no queries (no work); the two lists share the
 partial-state buffer (the prefill list's slots follow the decode list's) and one merge list.
@@ -64,7 +64,7 @@ KV_COST = 1
 # much in setup and merging as it saves, and it keeps short requests whole.
 MIN_KV_CHUNK = 256
 # Requests with more fused rows (qo_len * group_size) than this run in the prefill kernel: from
-# here on a 64-row tensor-core tile beats the decode kernel's CUDA-core rows (at most 16 per
+# here on a 128-row tensor-core tile beats the decode kernel's CUDA-core rows (at most 16 per
 # item, each item streaming the request's KV once).
 PREFILL_MIN_ROWS = 16
 

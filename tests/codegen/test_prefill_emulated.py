@@ -34,6 +34,11 @@ CASES = {
     "alibi-gqa8": ("examples/alibi.attn",
                    dict(dtype="float16", num_heads=16, num_kv_heads=2, qo_lens=(9, 3),
                         kv_lens=(150, 9), page_size=1, eager=True)),
+    # head_dim 128: two 16-row blocks per warp with Q re-read from shared memory, many KV
+    # tiles (the o rescale skipped when no row max moves), a logits hook, split rows.
+    "softcap-128": ("examples/softcap.attn",
+                    dict(head_dim=128, num_heads=4, num_kv_heads=2, qo_lens=(70, 5),
+                         kv_lens=(330, 40), kv_chunk_size=192)),
     # head_dim 256 (Q re-read from shared memory), query/key hooks, an output hook: rope +
     # reductions, softmax off.
     "rope-norm-256": ("tests/variants/rope_norm_window.attn",

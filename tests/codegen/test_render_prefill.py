@@ -1,8 +1,8 @@
 """The prefill kind: rendering, its launch shape, and its sources through NVRTC.
 
 Every variant renders a prefill source with exactly the decode kernel's arguments (the
-runtime launches both kinds alike), and compiles for sm_90a at bf16 / head_dim 128 with no
-spills and no stack frame; qk_norm (reductions and rope in two vector hooks: the heaviest on
+runtime launches both kinds alike), and compiles for sm_90a at bf16 / head_dim 128 within the
+spill budget below; qk_norm (reductions and rope in two vector hooks: the heaviest on
 registers) also over every dtype x head_dim x {sm_90a, sm_80}.
 """
 
@@ -50,7 +50,8 @@ def test_prefill_template_lists_what_it_splices():
 
 def test_launch_config_prefill():
     cfg = config.launch_config("prefill", 128, 4)
-    assert cfg == config.LaunchConfig((256, 1, 1), 128, 98304, 64)  # 8 warps x 16 rows
+    # 4 warps x 32 rows, 2 stages of 64 keys, Q tile: two CTAs per SM
+    assert cfg == config.LaunchConfig((128, 1, 1), 128, 98304, 64)
     assert cfg.needs_smem_opt_in
     for head_dim in config.HEAD_DIMS:
         for dtype in config.DTYPES:
@@ -59,7 +60,8 @@ def test_launch_config_prefill():
                 cfg = config.launch_config("prefill", head_dim, group, dtype)
                 warps = cfg.threads // 32
                 assert cfg.block == (shape.max_threads, 1, 1) and cfg.threads % 32 == 0
-                assert cfg.rows_per_tile == 16 * warps  # each warp owns 16 fused rows
+                # each warp owns row_blocks blocks of 16 fused rows
+                assert cfg.rows_per_tile == 16 * shape.row_blocks * warps
                 assert cfg.kv_tile == shape.kv_tile and shape.kv_tile % 16 == 0
                 kv_bytes = 2 * shape.stages * shape.kv_tile * head_dim * 2  # K and V stages
                 q_bytes = cfg.rows_per_tile * head_dim * 2
@@ -68,6 +70,8 @@ def test_launch_config_prefill():
                 # The CTAs per SM the kernel is built for fit the H100's 228 KB.
                 assert shape.min_blocks * (cfg.smem_bytes + 1024) <= 228 * 1024
 
+
+SPILL_BUDGET = 64  # bytes (sm_80 spills up to 40, sm_90a up to 28)
 
 _MATRIX = [(v, "bfloat16", 128, a) for v in VARIANT_IDS for a in ("sm_90a", "sm_80")]
 _MATRIX += [("qk_norm", d, hd, a) for d in config.DTYPES for hd in config.HEAD_DIMS
@@ -85,7 +89,11 @@ def test_prefill_compiles_without_spills(variant, dtype, head_dim, arch):
     cubin = compile_source(src, arch, name=generated_name(hooks, "prefill"),
                            label=f"{variant} prefill {dtype} d{head_dim}")
     (info,) = [f for f in cubin.functions if f.name == "prefill"]
-    assert info.spill_stores == 0 and info.spill_loads == 0, cubin.log
-    assert info.stack_bytes == 0, cubin.log
+    # 32 rows per warp fill 255 registers by design (O alone takes 128 at head_dim 128), and
+    # ptxas parks a few item-invariant values in local memory: at most SPILL_BUDGET bytes,
+    # reloaded outside the sub-tile loop (the SASS in benchmarks/NOTES.md, v3 prefill). More
+    # means a hook or a template change pushed the hot loop itself into local memory.
+    assert info.spill_stores <= SPILL_BUDGET and info.spill_loads <= SPILL_BUDGET, cubin.log
+    assert info.stack_bytes <= SPILL_BUDGET, cubin.log
     shape = config.template_shape("prefill", head_dim, dtype)
     assert info.registers <= min(255, 65536 // (shape.max_threads * shape.min_blocks))
