@@ -126,6 +126,16 @@ def import_attnlang():
     return attnlang
 
 
+def forget_compiled_modules() -> None:
+    """Drop attnlang's in-process memo of compiled modules (keyed by variant, head_dim,
+    dtype, arch): the tuning scripts change layout constants between runs, which changes the
+    rendered source (the disk cache keys on it) but not that memo's key."""
+    from attnlang.runtime import module
+
+    with module._MODULES_LOCK:
+        module._MODULES.clear()
+
+
 def filter_kwargs(fn: Callable, kwargs: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
     """The kwargs that fn's signature accepts, and the names it does not (its API may lag)."""
     import inspect

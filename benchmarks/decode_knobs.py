@@ -50,16 +50,13 @@ class Knobs(D.Decode):
         self.defaults: dict[tuple[str, str], int] = {}
 
     def apply(self, overrides: dict[tuple[str, str], int]) -> None:
-        from attnlang.runtime import module
-
         for key in set(self.defaults) | set(overrides):
             mod = importlib.import_module(MODULES[key[0]])
             if not hasattr(mod, key[1]):
                 raise SystemExit(f"--set: {MODULES[key[0]]} has no {key[1]}")
             self.defaults.setdefault(key, getattr(mod, key[1]))
             setattr(mod, key[1], overrides.get(key, self.defaults[key]))
-        with module._MODULES_LOCK:
-            module._MODULES.clear()  # memoised by variant, not by layout constants
+        C.forget_compiled_modules()
 
     def main(self) -> int:
         env = C.environment(self.torch)

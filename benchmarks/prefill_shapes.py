@@ -41,11 +41,9 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
 def use_shape(shape: tuple[int, ...]) -> None:
     """Make the next compile_variant build head_dim 128 prefill kernels with `shape`."""
     from attnlang.codegen import config
-    from attnlang.runtime import module
 
     config._PREFILL_SHAPE[P.HEAD_DIM] = shape
-    with module._MODULES_LOCK:
-        module._MODULES.clear()  # compiled modules are memoised by variant, not by shape
+    C.forget_compiled_modules()
 
 
 class Shapes(P.Prefill):

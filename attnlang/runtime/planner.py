@@ -604,9 +604,6 @@ def _assign(sorted_cost: np.ndarray, num_ctas: int) -> np.ndarray:
     if n <= m:
         # Every CTA is empty when its item arrives: the heap would pick CTA i for item i.
         return np.arange(n, dtype=np.int64)
-    if sorted_cost[-1] == sorted_cost[0] > 0:
-        # All equal (uniform decode batches): round robin from CTA 0 (see _assign_equal).
-        return np.arange(n, dtype=np.int64) % m
     loads = np.zeros(m, dtype=np.int64)
     out = np.empty(n, dtype=np.int64)
     i = 0
