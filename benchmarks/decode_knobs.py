@@ -9,7 +9,9 @@ on disk: a winner goes into the code by hand, its figures into benchmarks/NOTES.
 
     python3 benchmarks/decode_knobs.py --set - --set config._STAGES=4 \
         --set attention._MAX_CTAS_PER_SM=2,planner.MIN_KV_CHUNK=1024 \
-        [--only b1_l32768,b16_l4096] [--out $OUT]
+        [--only b1_l32768,b16_l4096] [--kv-heads 32] [--out $OUT]
+
+--kv-heads N: N KV heads instead of decode.py's 8 (32 query heads: GQA group 32 / N).
 
 Prints GB/s of CUDA-graph replays per (workload, setting), and the speed against the first.
 """
@@ -97,8 +99,16 @@ class Knobs(D.Decode):
             out.append(cells)
         cols = [("workload", "workload")] + [(s, s) for s in self.settings]
         copy = C.fmt(self.copy_gbps, ".0f")
-        return C.format_table(out, cols, title="KNOBS decode bf16 32/8 d128 page 16: graph "
-                              f"GB/s (speed vs the first) rel err; copy {copy} GB/s")
+        return C.format_table(out, cols, title=f"KNOBS decode bf16 {D.HQ}/{D.HKV} d128 page 16:"
+                              f" graph GB/s (speed vs the first) rel err; copy {copy} GB/s")
+
+
+def set_kv_heads(n: int) -> None:
+    """decode.py's workloads with n KV heads (its module constants; 32 query heads)."""
+    if n < 1 or D.HQ % n:
+        raise SystemExit(f"--kv-heads: {n} does not divide {D.HQ} query heads")
+    D.HKV, D.GROUP = n, D.HQ // n
+    D.BYTES_PER_TOKEN = n * D.HEAD_DIM * 2 * 2
 
 
 def main(argv=None) -> int:
@@ -110,6 +120,10 @@ def main(argv=None) -> int:
         del argv[i:i + 2]
     for s in settings:
         parse_setting(s)  # fail early on a typo
+    if "--kv-heads" in argv:
+        i = argv.index("--kv-heads")
+        set_kv_heads(int(argv[i + 1]))
+        del argv[i:i + 2]
     return Knobs(D.parse_args(argv), settings or ["-"]).main()
 
 

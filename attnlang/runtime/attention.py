@@ -11,7 +11,9 @@ The split of work follows FlashInfer's plan/run API:
   decode kernel on a fixed grid of `num_ctas` CTAs, its prefill kernel on a fixed grid of
   `num_prefill_ctas` CTAs and the merge kernel on a fixed grid, on the caller's current
   stream. A plan sends each request to one of the two attention kernels (`plan_mixed`:
-  prefill when it has more than PREFILL_MIN_ROWS fused rows), each with its own work list.
+  prefill, on tensor cores, when it has more than `prefill_min_rows` fused rows, which with
+  GQA groups of 4 or more includes single-token decode), each with its own work list. A
+  kernel that no batch within the construction bounds can reach is never launched.
   All workspace pointers are fixed for the object's lifetime, so a CUDA graph captured
   around run() stays valid after later plan() calls: plan() only rewrites the workspace's
   contents.
@@ -33,6 +35,7 @@ import numpy as np
 
 from attnlang import ir
 from attnlang.errors import did_you_mean
+from attnlang.runtime import planner
 from attnlang.runtime.arrays import (
     TensorInfo,
     current_stream,
@@ -614,12 +617,16 @@ class BatchAttention:
             when given, of the prefill grid too.
         num_prefill_ctas: CTAs of the prefill grid (default: num_ctas if given, else SMs x
             the prefill kernel's occupancy).
+        prefill_min_rows: requests with more fused rows (qo_len x group) than this run in
+            the prefill kernel, the others in the decode kernel (default
+            `planner.PREFILL_MIN_ROWS`, 3: see there why).
         device: CUDA device ordinal (default: CuPy's current device).
 
     Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
-    rows per work item) or, when it has more than PREFILL_MIN_ROWS fused rows
-    (qo_len * group), in the prefill kernel (tensor cores, 128-row tiles); a batch may mix
-    both (planner.plan_mixed). Split requests of either kind merge in one merge kernel.
+    rows per work item) or, when it has more than prefill_min_rows fused rows
+    (qo_len * group; by default more than 3, so GQA groups of 4 or more decode on tensor
+    cores), in the prefill kernel (tensor cores, 128-row tiles); a batch may mix both
+    (planner.plan_mixed). Split requests of either kind merge in one merge kernel.
 
     Streams: plan() copies on CuPy's current stream; run() launches on the caller's current
     stream (torch's for torch tensors) after waiting for the last plan's copy, and plan()
@@ -647,7 +654,8 @@ class BatchAttention:
                  max_kv_indices: int = 1 << 20, max_work_items: int | None = None,
                  max_partial_rows: int | None = None, max_merge_rows: int | None = None,
                  arch: str | None = None, num_ctas: int | None = None,
-                 num_prefill_ctas: int | None = None, device: int | None = None):
+                 num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
+                 device: int | None = None):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size)
         for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
@@ -659,6 +667,15 @@ class BatchAttention:
                             ("num_prefill_ctas", num_prefill_ctas)):
             if value is not None:
                 _check_count(name, value)
+        if prefill_min_rows is None:
+            prefill_min_rows = planner.PREFILL_MIN_ROWS
+        if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows,
+                                                                (int, np.integer)):
+            raise TypeError("prefill_min_rows must be an integer >= 0, got "
+                            f"{type(prefill_min_rows).__name__}")
+        if prefill_min_rows < 0:
+            raise ValueError(f"prefill_min_rows must be an integer >= 0, got {prefill_min_rows}")
+        self.prefill_min_rows = int(prefill_min_rows)
         if isinstance(variant_or_module, KernelModule):
             _check_module(variant_or_module, self.shape)
         elif not isinstance(variant_or_module, ir.Variant):
@@ -760,6 +777,13 @@ class BatchAttention:
             for kind, grid, cfg in (("decode", self.num_ctas, self._decode_cfg),
                                     ("prefill", self.num_prefill_ctas, self._prefill_cfg),
                                     ("merge", self._merge_grid, self._merge_cfg))}
+        # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
+        # A request has qo_len * group fused rows, from group up to max_total_q * group.
+        self._reachable = {
+            "decode": s.group_size <= self.prefill_min_rows,
+            "prefill": max_total_q * s.group_size > self.prefill_min_rows,
+            "merge": True,
+        }
         self._run_key: tuple | None = None  # validate_run_inputs memo (see run())
         self._run_args: RunInputs | None = None
         self._plan: BatchPlan | None = None
@@ -810,8 +834,8 @@ class BatchAttention:
         plan = plan_mixed(
             inputs.qo_lens, inputs.kv_lens, num_kv_heads=self.shape.num_kv_heads,
             group_size=self.shape.group_size, **self._tilings,
-            kv_chunk_size=kv_chunk_size, bounds=self.bounds,
-            mask=self._mask, head_dim=self.shape.head_dim,
+            prefill_min_rows=self.prefill_min_rows, kv_chunk_size=kv_chunk_size,
+            bounds=self.bounds, mask=self._mask, head_dim=self.shape.head_dim,
         )
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
@@ -904,12 +928,12 @@ class BatchAttention:
                     args.sm_scale, param_values)
             build, dims = self._launch_args.args, self._launch_dims
             # A kernel whose work list is empty has nothing to do; under capture every kernel
-            # is recorded (fixed grids, fixed workspace), since a later plan() may use it.
-            plan = self._plan
+            # a later plan() may use is recorded (fixed grids, fixed workspace).
+            plan, reachable = self._plan, self._reachable
             for kind, fn, needed in (("decode", self._decode, plan.decode.num_work_items),
                                      ("prefill", self._prefill, plan.prefill.num_work_items),
                                      ("merge", self._merge, plan.merge_count)):
-                if capturing or needed > 0:
+                if needed > 0 or (capturing and reachable[kind]):
                     grid, block, smem = dims[kind]
                     fn(grid, block, build(kind, *call), shared_mem=smem, stream=stream)
             del uploaded

@@ -15,6 +15,9 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
    ``n = ceil(span / bound)`` chunks of equal length (at most the bound). Without a mask every
    unit of a request has the same span [0, kv_len). Short units are never split, so decode
    batches that already fill the GPU pay no merge. total_kv is the sum of the spans.
+   When that cuts the units into a little more than num_ctas chunks, some CTAs would run two
+   chunks while others idle; the bound is then raised to the smallest one that fits every
+   chunk in one round, if that costs no more than the second round would (`_one_round_bound`).
 3. Assignment. Chunks are sorted by cost (longest first; ties by creation order) and each
    goes to the CTA with the least accumulated cost (a heap; ties by CTA index). Everything is
    integer and ordered, so the same lengths always give bit-identical arrays: no atomics.
@@ -26,10 +29,11 @@ The plan is pure data: contiguous, read-only int32 NumPy arrays that the runtime
 a device workspace with one host-to-device copy. Nothing here touches a GPU.
 
 Two kernels, one plan (`plan_mixed`): requests with more than PREFILL_MIN_ROWS fused rows
-(qo_len * group_size) go to the prefill kernel (tensor cores, 128-row tiles), the others to the
-decode kernel. Each kernel gets its own work list, scheduled by `plan_batch` over its own
-grid with the other kernel's requests given no queries (no work); the two lists share the
-partial-state buffer (the prefill list's slots follow the decode list's) and one merge list.
+(qo_len * group_size) go to the prefill kernel (tensor cores, 128-row tiles; with GQA groups
+of 4 or more, single-token decode too), the others to the decode kernel. Each kernel gets
+its own work list, scheduled by `plan_batch` over its own grid with the other kernel's
+requests given no queries (no work); the two lists share the partial-state buffer (the
+prefill list's slots follow the decode list's) and one merge list.
 
 Example::
 
@@ -63,10 +67,13 @@ KV_COST = 1
 # Never split a request's KV below this many positions: a chunk this short costs about as
 # much in setup and merging as it saves, and it keeps short requests whole.
 MIN_KV_CHUNK = 256
-# Requests with more fused rows (qo_len * group_size) than this run in the prefill kernel: from
-# here on a 128-row tensor-core tile beats the decode kernel's CUDA-core rows (at most 16 per
-# item, each item streaming the request's KV once).
-PREFILL_MIN_ROWS = 16
+# Requests with more fused rows (qo_len * group_size) than this run in the prefill kernel (tensor
+# cores), the others in the decode kernel (CUDA cores). The decode kernel reads each K/V row
+# from shared memory once per fused row and spends ~20 warp-instructions per key and row: at
+# one row (MHA) it streams at the copy bandwidth, at 4 rows it is issue-bound and the
+# tensor-core kernel, whose per-key cost hardly depends on the rows, is 10-17% faster
+# (benchmarks/NOTES.md, "Decode on tensor cores"); at 2 rows the two are within 5%.
+PREFILL_MIN_ROWS = 3
 
 
 class PlanError(ValueError):
@@ -229,6 +236,40 @@ def chunk_bound(total_kv: int, num_ctas: int, *, min_kv_chunk: int = MIN_KV_CHUN
     return -(-bound // kv_align) * kv_align
 
 
+def _one_round_bound(span: np.ndarray, bound: int, num_ctas: int, kv_align: int) -> int:
+    """`bound`, or a larger multiple of kv_align that cuts the spans into at most num_ctas
+    chunks (one round: no CTA runs two) at no more cost than `bound`'s second round.
+
+    With more chunks than CTAs, longest-first assignment gives the CTA holding the
+    num_ctas-th longest chunk the next one as well, so that CTA's load is at least the sum
+    of the two. Any bound up to that sum whose chunks fit one round finishes no later, and
+    splits less (fewer partial states to merge); the smallest such bound is taken. Example:
+    256 units of 8192 positions on 528 CTAs: `chunk_bound` gives 3992, 3 chunks of ~2731 per
+    unit, 768 chunks, so some CTAs run 5462 positions; 4096 gives 512 chunks of 4096.
+    """
+    if span.shape[0] > num_ctas:  # more units than CTAs: never one round
+        return bound
+
+    def num_chunks(b: int) -> int:
+        return int(np.maximum(-(-span // b), 1).sum())
+
+    n = np.maximum(-(-span // bound), 1)
+    if int(n.sum()) <= num_ctas:
+        return bound
+    longest = np.sort(np.repeat(-(-span // n), n))[::-1]  # chunk lengths, longest first
+    second_round = int(longest[num_ctas - 1] + longest[num_ctas])
+    lo, hi = -(-bound // kv_align), second_round // kv_align  # candidate bounds / kv_align
+    if hi < lo or num_chunks(hi * kv_align) > num_ctas:
+        return bound
+    while lo < hi:  # the chunk count never grows with the bound: bisect for the smallest
+        mid = (lo + hi) // 2
+        if num_chunks(mid * kv_align) <= num_ctas:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * kv_align
+
+
 def worst_case_bounds(*, max_batch_size: int, max_total_q: int, num_kv_heads: int,
                       group_size: int, rows_per_tile: int, num_ctas: int) -> PlanBounds:
     """Capacities that no batch within (max_batch_size, max_total_q) can exceed when the
@@ -368,6 +409,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     if kv_chunk_size is None:
         bound = chunk_bound(int(span.sum()), num_ctas, min_kv_chunk=min_kv_chunk,
                             kv_align=kv_align)
+        bound = _one_round_bound(span, bound, num_ctas, kv_align)
         align = kv_align
     else:
         bound, align = int(kv_chunk_size), 1
@@ -1025,7 +1067,7 @@ def plan_mixed(
     group_size: int,
     decode: Tiling,
     prefill: Tiling,
-    prefill_min_rows: int = PREFILL_MIN_ROWS,
+    prefill_min_rows: int | None = None,
     min_kv_chunk: int = MIN_KV_CHUNK,
     kv_chunk_size: int | None = None,
     bounds: PlanBounds | None = None,
@@ -1034,7 +1076,8 @@ def plan_mixed(
 ) -> BatchPlan:
     """Schedule a ragged batch over the decode and prefill kernels. Pure CPU, deterministic.
 
-    Request b runs in the prefill kernel iff ``qo_lens[b] * group_size > prefill_min_rows``.
+    Request b runs in the prefill kernel iff ``qo_lens[b] * group_size > prefill_min_rows``
+    (default PREFILL_MIN_ROWS, read at each call).
     Each kernel's list is `plan_batch` over its requests (the others get qo_len 0) with its
     own Tiling (and the mask / head_dim for KV trimming, see plan_batch); the cost model, the
     KV chunk bound (per list: each kernel fills the GPU on its own, they run one after the
@@ -1048,7 +1091,10 @@ def plan_mixed(
                           decode=Tiling(4, 528, 32), prefill=Tiling(64, 264, 64))
         plan.decode.num_work_items, plan.prefill.num_work_items
     """
-    _check_positive("prefill_min_rows", prefill_min_rows)
+    if prefill_min_rows is None:  # read now, so tuning scripts can override the constant
+        prefill_min_rows = PREFILL_MIN_ROWS
+    if prefill_min_rows < 0:
+        raise PlanError(f"prefill_min_rows must be >= 0, got {prefill_min_rows}")
     for arg, value in (("num_kv_heads", num_kv_heads), ("group_size", group_size),
                        ("min_kv_chunk", min_kv_chunk),
                        ("decode.rows_per_tile", decode.rows_per_tile),

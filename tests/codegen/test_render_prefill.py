@@ -71,7 +71,7 @@ def test_launch_config_prefill():
                 assert shape.min_blocks * (cfg.smem_bytes + 1024) <= 228 * 1024
 
 
-SPILL_BUDGET = 64  # bytes (sm_80 spills up to 40, sm_90a up to 28)
+SPILL_BUDGET = 64  # bytes (the zoo at head_dim 128 spills up to 56 on sm_90a, 40 on sm_80)
 
 _MATRIX = [(v, "bfloat16", 128, a) for v in VARIANT_IDS for a in ("sm_90a", "sm_80")]
 _MATRIX += [("qk_norm", d, hd, a) for d in config.DTYPES for hd in config.HEAD_DIMS

@@ -28,7 +28,7 @@ from attnlang.reference import attention_paged
 from attnlang.runtime.arrays import bfloat16_bits_to_float, float_to_bfloat16_bits, round_to_dtype
 from attnlang.runtime.merge import merge_states_reference
 from attnlang.runtime.paged import indptr_from_lengths, ragged_to_paged
-from attnlang.runtime.planner import plan_batch
+from attnlang.runtime.planner import Tiling, plan_mixed
 from tests.variant_files import VARIANT_FILES, VARIANT_IDS
 
 pytestmark = pytest.mark.gpu
@@ -226,19 +226,24 @@ def check_lse(got: np.ndarray, ref: np.ndarray) -> None:
     np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-3, atol=5e-3)
 
 
-def build_attention(variant, case: Case, qo, kv, num_qo_heads, num_kv_heads):
-    """BatchAttention for a case. forced: a small KV chunk bound, so short requests split
-    too (capacities sized from a CPU plan); none: no split, few CTAs (many items each)."""
-    kwargs = dict(max_batch_size=MAX_BATCH, max_total_q=MAX_TOTAL_Q,
+def build_attention(variant, case: Case, qo, kv, num_qo_heads, num_kv_heads, **kwargs):
+    """BatchAttention for a case (kwargs: more constructor arguments). forced: a small KV
+    chunk bound, so short requests split too (capacities sized from a CPU plan); none: no
+    split, few CTAs (many items each)."""
+    kwargs.update(max_batch_size=MAX_BATCH, max_total_q=MAX_TOTAL_Q,
                   max_kv_indices=MAX_KV_INDICES)
     chunk = None
     if case.split == "forced":
         chunk = int(np.random.default_rng(case.seed).choice(
             [32, 64, 100] if case.mode == "decode" else [128, 200, 256]))
-        cfg = launch_config("decode", case.head_dim, case.group, case.dtype)
-        need = plan_batch(qo, kv, num_kv_heads=num_kv_heads, group_size=case.group,
-                          rows_per_tile=cfg.rows_per_tile, num_ctas=16, kv_chunk_size=chunk)
-        kwargs.update(num_ctas=16, max_work_items=need.num_work_items,
+        tilings = {kind: Tiling(launch_config(kind, case.head_dim, case.group,
+                                              case.dtype).rows_per_tile, 16, 1)
+                   for kind in ("decode", "prefill")}
+        need = plan_mixed(qo, kv, num_kv_heads=num_kv_heads, group_size=case.group,
+                          **tilings, prefill_min_rows=kwargs.get("prefill_min_rows"),
+                          kv_chunk_size=chunk)
+        kwargs.update(num_ctas=16, max_work_items=max(need.decode.num_work_items,
+                                                      need.prefill.num_work_items),
                       max_partial_rows=max(1, need.num_partial_rows),
                       max_merge_rows=max(1, need.merge_count))
     elif case.split == "none":
@@ -254,6 +259,27 @@ def build_attention(variant, case: Case, qo, kv, num_qo_heads, num_kv_heads):
 
 @pytest.mark.parametrize("case", MATRIX, ids=[c.id for c in MATRIX])
 def test_attention_matches_reference(cp, case, error_log):
+    check_case(cp, case, error_log)
+
+
+# The decode kernel (CUDA cores) at GQA groups of 4 and 8, which by default decode in the
+# prefill kernel (planner.PREFILL_MIN_ROWS): every variant once, dtype, head_dim, page size
+# and split mode in turn. The matrix covers it at group 1.
+CUDA_CORE_DECODE = [
+    Case(variant, AXES["dtype"][n % 2], AXES["head_dim"][n % 3], AXES["page_size"][(n // 3) % 3],
+         (4, 8)[(n // 2) % 2], "decode", AXES["split"][n % 3], seed=3000 + n)
+    for n, variant in enumerate(VARIANT_IDS)]
+
+
+@pytest.mark.parametrize("case", CUDA_CORE_DECODE, ids=[c.id for c in CUDA_CORE_DECODE])
+def test_decode_kernel_at_gqa_groups(cp, case, error_log):
+    plan = check_case(cp, case, error_log, prefill_min_rows=16)
+    assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
+
+
+def check_case(cp, case: Case, error_log, **attn_kwargs):
+    """Run a case's batch (BatchAttention with attn_kwargs) and compare with the reference;
+    returns the plan."""
     variant = attnlang.load(VARIANT_PATHS[case.variant])
     rng = np.random.default_rng(case.seed)
     num_kv_heads = 4 if case.group == 1 else 2
@@ -265,7 +291,8 @@ def test_attention_matches_reference(cp, case, error_log):
     ref_o, ref_lse = attention_paged(variant, batch.q, batch.k_cache, batch.v_cache,
                                      *batch.table, params=params)
 
-    attn, chunk = build_attention(variant, case, qo, kv, num_qo_heads, num_kv_heads)
+    attn, chunk = build_attention(variant, case, qo, kv, num_qo_heads, num_kv_heads,
+                                  **attn_kwargs)
     plan = attn.plan(*batch.table, kv_chunk_size=chunk)
     if case.split == "forced":
         assert plan.merge_count > 0, "the forced case must exercise the merge kernel"
@@ -290,6 +317,7 @@ def test_attention_matches_reference(cp, case, error_log):
         check_lse(cp.asnumpy(lse), ref_lse)
     else:
         assert lse is None
+    return plan
 
 
 def test_splitting_does_not_change_the_result(cp):

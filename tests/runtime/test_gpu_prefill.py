@@ -180,13 +180,14 @@ def test_sm_scale_sign_and_zero(cp, error_log, sm_scale, variant_id):
                   where=f"sm_scale {sm_scale} {variant_id}", sm_scale=sm_scale)
 
 
-def test_threshold_dispatch(cp, error_log):
-    """qo_len * group == PREFILL_MIN_ROWS stays in decode; one more row goes to prefill."""
+@pytest.mark.parametrize("group, min_rows", [(1, PREFILL_MIN_ROWS), (4, 16)])
+def test_threshold_dispatch(cp, error_log, group, min_rows):
+    """qo_len * group == prefill_min_rows stays in decode; one more query goes to prefill."""
     variant = attnlang.load(VARIANT_PATHS["causal"])
-    group = 4
-    at = PREFILL_MIN_ROWS // group
+    at = min_rows // group
     plan, _, _ = run_and_check(
         cp, variant, (at, at + 1), (300, 300), num_qo_heads=2 * group, num_kv_heads=2,
+        prefill_min_rows=min_rows,
         head_dim=128, dtype="bfloat16", page_size=16, seed=9, error_log=error_log,
         where="threshold", expect_decode=True)
     assert set(plan.decode.work_request.tolist()) == {0}
@@ -203,7 +204,8 @@ def test_mixed_decode_and_prefill_batch(cp, error_log, split):
     plan, _, _ = run_and_check(
         cp, variant, qo, kv, num_qo_heads=16, num_kv_heads=2, head_dim=128,
         dtype="bfloat16", page_size=16, seed=13, error_log=error_log,
-        where=f"mixed split={split}", kv_chunk_size=split, expect_decode=True)
+        where=f"mixed split={split}", kv_chunk_size=split, expect_decode=True,
+        prefill_min_rows=16)
     # qo_len * group > 16 fused rows go to prefill: 300*8, 3*8 (speculative tokens), 90*8
     assert set(plan.prefill.work_request.tolist()) == {1, 2, 4}
     if split is not None:
@@ -233,8 +235,10 @@ def test_cuda_graph_replay_across_plans(cp):
     qo_b = [1, 400, 300]
     table_a, table_b = table([0], [1]), table([0, 1, 2], qo_b)
     total_b = sum(qo_b)
+    # Single-token decode in the decode kernel (by default a group of 4 decodes on tensor
+    # cores, and the decode kernel would never be captured).
     attn = attnlang.BatchAttention(variant, hq, hkv, d, dtype, ps, max_batch_size=4,
-                                   max_total_q=total_b)
+                                   max_total_q=total_b, prefill_min_rows=16)
     kc, vc = to_device(cp, pool.k_cache, dtype), to_device(cp, pool.v_cache, dtype)
     q_buf = to_device(cp, np.asarray(rng.standard_normal((total_b, hq, d)), np.float32), dtype)
     out_buf = poisoned(cp, (total_b, hq, d), dtype)

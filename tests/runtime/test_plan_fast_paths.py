@@ -23,6 +23,24 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def one_round_bound(spans, bound, num_ctas, kv_align):
+    """planner._one_round_bound as a scan: the smallest multiple of kv_align from `bound` up to
+    the second round's cost (the num_ctas-th and next longest chunks) that makes at most
+    num_ctas chunks; `bound` if none or if it already does."""
+    def pieces(b):
+        return sum(max(_ceil(s, b), 1) for s in spans)
+
+    if len(spans) > num_ctas or pieces(bound) <= num_ctas:
+        return bound
+    chunks = sorted((_ceil(s, max(_ceil(s, bound), 1)) for s in spans
+                     for _ in range(max(_ceil(s, bound), 1))), reverse=True)
+    second_round = chunks[num_ctas - 1] + chunks[num_ctas]
+    for b in range(bound, second_round + 1, kv_align):
+        if pieces(b) <= num_ctas:
+            return b
+    return bound
+
+
 def reference_plan(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas,
                    min_kv_chunk=planner.MIN_KV_CHUNK, kv_align=1, kv_chunk_size=None):
     """plan_batch without a mask, as loops. Returns (work arrays, merge arrays, bound)."""
@@ -36,6 +54,7 @@ def reference_plan(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas,
     total = sum(u[4] for u in units)
     if kv_chunk_size is None:
         bound = _ceil(max(min_kv_chunk, _ceil(total, num_ctas), 1), kv_align) * kv_align
+        bound = one_round_bound([u[4] for u in units], bound, num_ctas, kv_align)
         align = kv_align
     else:
         bound, align = kv_chunk_size, 1

@@ -103,11 +103,28 @@ def test_random_batches_are_covered_exactly_once(seed):
 
 def test_decode_batch_fills_ctas_by_splitting_long_requests():
     plan = plan_batch([1], [32768], num_kv_heads=8, group_size=4, rows_per_tile=4,
+                      num_ctas=256, kv_align=32)
+    check_plan(plan, [1], [32768])
+    assert plan.kv_chunk_size == chunk_bound(8 * 32768, 256, kv_align=32)  # 1024
+    assert plan.num_work_items == 256 and plan.merge_count == 32
+    assert np.diff(plan.work_indptr).min() >= 1, "every CTA gets work"
+
+
+def test_chunks_fit_one_round_when_the_even_share_leaves_a_few_over():
+    # The even share of 8 x 32768 over 132 CTAs (2016) cuts each head into 17 chunks: 136
+    # chunks, so 4 CTAs would run two (3856 positions). 16 chunks of 2048 fit one round.
+    plan = plan_batch([1], [32768], num_kv_heads=8, group_size=4, rows_per_tile=4,
                       num_ctas=132, kv_align=32)
     check_plan(plan, [1], [32768])
-    assert plan.kv_chunk_size == chunk_bound(8 * 32768, 132, kv_align=32)
-    assert plan.num_work_items >= 132 and plan.merge_count == 32
-    assert (np.diff(plan.work_indptr) >= 1).all(), "every CTA gets work"
+    assert chunk_bound(8 * 32768, 132, kv_align=32) == 2016
+    assert plan.kv_chunk_size == 2048 and plan.num_work_items == 128
+    assert np.diff(plan.work_indptr).max() == 1
+    # Not when a second round is cheap: a skewed batch keeps the even share.
+    kv = [4000] + [100] * 130
+    plan = plan_batch([1] * 131, kv, num_kv_heads=1, group_size=1, rows_per_tile=1,
+                      num_ctas=132, kv_align=1)
+    check_plan(plan, [1] * 131, kv)
+    assert plan.kv_chunk_size == chunk_bound(sum(kv), 132, kv_align=1)
 
 
 # -- determinism

@@ -15,7 +15,11 @@ from attnlang.runtime.planner import (
 )
 
 DECODE, PREFILL = Tiling(4, 16, 32), Tiling(64, 8, 64)
-GEOMETRY = dict(num_kv_heads=2, group_size=4, decode=DECODE, prefill=PREFILL)
+# Up to 4 queries per request (16 fused rows at group 4) in the decode list, so batches mix
+# both lists; the default threshold has its own test.
+MIN_ROWS = 16
+GEOMETRY = dict(num_kv_heads=2, group_size=4, decode=DECODE, prefill=PREFILL,
+                prefill_min_rows=MIN_ROWS)
 
 
 def written_slots(plan, qo, group):
@@ -37,7 +41,7 @@ def written_slots(plan, qo, group):
 
 def check_mixed(plan, qo, kv, group=4, num_kv_heads=2):
     qo, kv = np.asarray(qo), np.asarray(kv)
-    prefill = qo * group > PREFILL_MIN_ROWS
+    prefill = qo * group > MIN_ROWS
     covered = {b: np.zeros((num_kv_heads, qo[b] * group, kv[b]), int) for b in range(len(qo))}
     for sub, want in ((plan.decode, ~prefill), (plan.prefill, prefill)):
         assert set(sub.work_request.tolist()) <= set(np.flatnonzero(want & (qo > 0)).tolist())
@@ -87,8 +91,22 @@ def test_decode_requests_before_prefill_requests_keep_their_tokens():
     check_mixed(plan, qo, kv)
 
 
+def test_default_threshold_sends_gqa_decode_to_tensor_cores():
+    # More than PREFILL_MIN_ROWS = 3 fused rows: a group of 4 decodes in the prefill kernel,
+    # MHA up to 3 queries per request (speculative tokens) in the decode kernel.
+    assert PREFILL_MIN_ROWS == 3
+    geometry = {k: v for k, v in GEOMETRY.items() if k != "prefill_min_rows"}
+    plan = plan_mixed([1, 1], [100, 100], **geometry)
+    assert plan.decode.num_work_items == 0 and plan.prefill.num_work_items > 0
+    plan = plan_mixed([3, 4], [100, 100], **dict(geometry, group_size=1))
+    assert set(plan.decode.work_request.tolist()) == {0}
+    assert set(plan.prefill.work_request.tolist()) == {1}
+    with pytest.raises(PlanError, match="prefill_min_rows"):
+        plan_mixed([1], [10], **dict(GEOMETRY, prefill_min_rows=-1))
+
+
 def test_threshold():
-    at = PREFILL_MIN_ROWS // 4
+    at = MIN_ROWS // 4
     plan = plan_mixed([at, at + 1], [100, 100], **GEOMETRY)
     assert set(plan.decode.work_request.tolist()) == {0}
     assert set(plan.prefill.work_request.tolist()) == {1}

@@ -104,6 +104,10 @@ def test_batch_attention_checks_arguments_before_touching_a_gpu():
         attnlang.BatchAttention(SOFTCAP, 8, 4, 128, max_total_q=0)
     with pytest.raises(TypeError, match="max_partial_rows"):
         attnlang.BatchAttention(SOFTCAP, 8, 4, 128, max_partial_rows=1.5)
+    with pytest.raises(ValueError, match="prefill_min_rows must be an integer >= 0, got -1"):
+        attnlang.BatchAttention(SOFTCAP, 8, 4, 128, prefill_min_rows=-1)
+    with pytest.raises(TypeError, match="prefill_min_rows"):
+        attnlang.BatchAttention(SOFTCAP, 8, 4, 128, prefill_min_rows=2.5)
     with pytest.raises(TypeError, match="variant_or_module must be an attnlang Variant"):
         attnlang.BatchAttention("examples/softcap.attn", 8, 4, 128)
     module = fake_module(dtype="float16", head_dim=128)
