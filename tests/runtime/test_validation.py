@@ -3,6 +3,7 @@ inputs (validated on array descriptions before anything launches), the kernel ar
 ABI against the rendered kernels, the workspace image, compiled-module directories,
 merge_states' inputs, the paged-cache helpers and the bf16 helpers."""
 
+import ctypes
 import hashlib
 import json
 import re
@@ -328,8 +329,9 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
 
 
 @pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
-def test_launch_args_equal_kernel_args(path):
-    """run()'s cached fixed parts + per-call parts give exactly kernel_args' tuple."""
+def test_packed_args_equal_kernel_args(path):
+    """run()'s packed kernelParams slots, after a call's update, hold exactly kernel_args'
+    tuple (types and values), and a second update leaves nothing of the first behind."""
     variant = attnlang.load(path)
     values = []
     for i, spec in enumerate(variant.params):
@@ -339,15 +341,22 @@ def test_launch_args_equal_kernel_args(path):
             values.append((spec, np.int32(3) if spec.type is ir.INT else np.float32(2.5)))
     ws = {name: 10_000 + i for i, name in enumerate([*A._SECTIONS, "partial_o",
                                                      "partial_lse"])}
-    fixed = A.LaunchArgs(ws, num_heads=8, num_kv_heads=2, page_size=16)
     for kind in ("decode", "prefill", "merge"):
+        packed = A.PackedArgs(kind, ws, num_heads=8, num_kv_heads=2, page_size=16,
+                              num_params=len(values))
+        packed.update(1 << 40, 2, 3, 4, 5, -7.5, values)  # overwritten below
+        packed.update(11, 12, 13, 14, 15, 0.3, values)
         want = A.kernel_args(kind, q=11, k_cache=12, v_cache=13, out=14, lse=15, ws=ws,
                              num_heads=8, num_kv_heads=2, page_size=16, sm_scale=0.3,
                              params=values)
-        got = fixed.args(kind, 11, 12, 13, 14, 15, 0.3, values)
+        got = packed.values()
         assert len(got) == len(want)
         for a, b in zip(got, want, strict=True):
             assert type(a) is type(b) and a == b, (kind, a, b)
+        # kernelParams[i] is the address of slot i
+        pointers = np.frombuffer((ctypes.c_uint64 * len(want)).from_address(
+            packed.kernel_params), dtype=np.uint64)
+        assert (np.diff(pointers) == 8).all()
 
 
 def test_run_memo_key_tracks_every_input():
