@@ -133,8 +133,15 @@ def _emulated_source(src: str, kind: str) -> str:
 def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
     src = _emulated_source(render(hooks, kind, dtype, head_dim), kind)
-    digest = hashlib.sha256((src + SHIM.read_text()).encode()).hexdigest()[:16]
-    exe = bin_dir / f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{digest}"
+    return compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}", bin_dir, (SHIM,))
+
+
+def compile_cached(src: str, name: str, bin_dir: Path, shims: tuple[Path, ...]) -> Path:
+    """g++ of an emulated source, cached in bin_dir under name and a hash of the source and
+    of the shim headers it includes."""
+    text = src + "".join(shim.read_text() for shim in shims)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+    exe = bin_dir / f"{name}_{digest}"
     if not exe.exists():
         bin_dir.mkdir(parents=True, exist_ok=True)
         cpp = exe.with_suffix(".cpp")

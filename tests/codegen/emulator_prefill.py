@@ -17,10 +17,8 @@ mixed plan's two work lists and their shared partial states. Not: timing, bank c
 
 from __future__ import annotations
 
-import hashlib
 import math
 import re
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -69,18 +67,8 @@ def _emulated_source(src: str, kind: str) -> str:
 def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
     src = _emulated_source(render(hooks, kind, dtype, head_dim), kind)
-    digest = hashlib.sha256(
-        (src + base.SHIM.read_text() + SHIM.read_text()).encode()).hexdigest()[:16]
-    exe = bin_dir / f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{digest}"
-    if not exe.exists():
-        bin_dir.mkdir(parents=True, exist_ok=True)
-        cpp = exe.with_suffix(".cpp")
-        cpp.write_text(src)
-        r = subprocess.run(["g++", "-std=c++17", "-O1", "-pthread", "-w", "-o", str(exe),
-                            str(cpp)], capture_output=True, text=True)
-        if r.returncode:
-            raise RuntimeError(f"g++ failed on {cpp}:\n{r.stderr[:4000]}")
-    return exe
+    return base.compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}", bin_dir,
+                               (base.SHIM, SHIM))
 
 
 @dataclass(frozen=True)

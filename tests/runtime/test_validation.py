@@ -302,14 +302,7 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
     variant = attnlang.load(path)
     source = generate_source(variant, kind, "bfloat16", 128)
     decls = _entry_signature(source, kind)
-    values = []
-    for i, spec in enumerate(variant.params):
-        if spec.is_tensor:
-            values.append((spec, dev((4,), "float32", ptr=1000 + i)))
-        else:
-            values.append((spec, np.int32(1) if spec.type is ir.INT else np.float32(1)))
-    ws = {name: 10_000 + i for i, name in enumerate([*A._SECTIONS, "partial_o",
-                                                     "partial_lse"])}
+    values, ws = _launch_inputs(variant, np.int32(1), np.float32(1))
     args = A.kernel_args(kind, q=1, k_cache=2, v_cache=3, out=4, lse=5, ws=ws, num_heads=8,
                          num_kv_heads=2, page_size=16, sm_scale=0.125, params=values)
     assert len(args) == len(decls), (decls, args)
@@ -328,19 +321,25 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
         assert named["merge_slots"] == ws["merge_slots"]
 
 
-@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
-def test_packed_args_equal_kernel_args(path):
-    """run()'s packed kernelParams slots, after a call's update, hold exactly kernel_args'
-    tuple (types and values), and a second update leaves nothing of the first behind."""
-    variant = attnlang.load(path)
+def _launch_inputs(variant, int_value, float_value):
+    """(params, ws) for kernel_args: each param a fake device tensor or the given scalar, the
+    workspace sections at made-up addresses."""
     values = []
     for i, spec in enumerate(variant.params):
         if spec.is_tensor:
             values.append((spec, dev((4,), "float32", ptr=1000 + i)))
         else:
-            values.append((spec, np.int32(3) if spec.type is ir.INT else np.float32(2.5)))
+            values.append((spec, int_value if spec.type is ir.INT else float_value))
     ws = {name: 10_000 + i for i, name in enumerate([*A._SECTIONS, "partial_o",
                                                      "partial_lse"])}
+    return values, ws
+
+
+@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+def test_packed_args_equal_kernel_args(path):
+    """run()'s packed kernelParams slots, after a call's update, hold exactly kernel_args'
+    tuple (types and values), and a second update leaves nothing of the first behind."""
+    values, ws = _launch_inputs(attnlang.load(path), np.int32(3), np.float32(2.5))
     for kind in ("decode", "prefill", "merge"):
         packed = A.PackedArgs(kind, ws, num_heads=8, num_kv_heads=2, page_size=16,
                               num_params=len(values))
