@@ -104,7 +104,7 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
             sys.exit(1)
         for kind, cubin in km.cubins.items():
             # ptxas reports static shared memory only; the kernels size theirs at launch.
-            dynamic = launch_config(kind, head_dim, 1, dtype).smem_bytes
+            dynamic = launch_config(kind, head_dim, 1, dtype, cubin.arch).smem_bytes
             for fn in cubin.functions:
                 rows.append((kind, dtype, str(head_dim), cubin.arch, str(fn.registers),
                              f"{(fn.shared_bytes + dynamic) // 1024} KiB",

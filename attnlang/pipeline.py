@@ -38,9 +38,11 @@ def load(path: str | os.PathLike) -> ir.Variant:
     return parse(text, filename=path)
 
 
-def generate_source(variant: ir.Variant, kind: str, dtype: str, head_dim: int) -> str:
-    """lower + render: the full CUDA source of one kernel kind for this variant."""
+def generate_source(variant: ir.Variant, kind: str, dtype: str, head_dim: int,
+                    arch: str | None = None) -> str:
+    """lower + render: the full CUDA source of one kernel kind for this variant (arch: the
+    compile target, which picks the prefill path; see `attnlang.codegen.render.render`)."""
     from attnlang.codegen.lower import lower
     from attnlang.codegen.render import render
 
-    return render(lower(variant), kind, dtype, head_dim)
+    return render(lower(variant), kind, dtype, head_dim, arch)

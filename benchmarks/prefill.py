@@ -12,7 +12,9 @@ bf16, head_dim 128, every query row of every prompt (qo_len = kv_len). Workloads
 Contenders:
 - attnlang_paged: BatchAttention over a paged cache (page 16, pages shuffled);
   attnlang_contig: the same kernel on contiguous KV (page_size = the whole sequence: one
-  page per request; the ragged batch pads each request to the longest).
+  page per request; the ragged batch pads each request to the longest). On an H100 both run
+  the wgmma path (compiled for sm_90a); attnlang_mma_sync is attnlang_paged compiled for
+  plain sm_90, i.e. the mma.sync path every sm_80+ GPU runs.
 - FlashInfer 0.7.2: BatchPrefillWithPagedKVCacheWrapper with backend "fa3" and "fa2" (same
   page table), BatchPrefillWithRaggedKVCacheWrapper with "fa3". Only its precompiled modules
   are used: FA3 plain / soft-cap / window, FA2 plain (no ALiBi, no FA2 soft-cap or window:
@@ -120,10 +122,11 @@ SPECS = [
     Spec("ragged16", "causal", ()),  # lengths filled in by specs()
 ]
 QUICK = ["causal_s4096", "causal_b8_s2048", "gqa_causal_s8192", "softcap_s16384", "ragged16"]
-CONTENDERS = ["attnlang_paged", "attnlang_contig", "flashinfer_fa3_paged",
+CONTENDERS = ["attnlang_paged", "attnlang_contig", "attnlang_mma_sync", "flashinfer_fa3_paged",
               "flashinfer_fa3_ragged", "flashinfer_fa2_paged", "sdpa_cudnn", "sdpa_flash", "flex"]
-PEERS = CONTENDERS[2:]
-ATTNLANG = CONTENDERS[:2]
+PEERS = CONTENDERS[3:]
+ATTNLANG = CONTENDERS[:2]  # always run; the ratios are taken against them
+MMA_SYNC_ARCH = "sm_90"  # no 'a': the prefill kernel takes the mma.sync path
 EXAMPLE = {"causal": "causal.attn", "full": "full.attn", "softcap": "softcap.attn",
            "alibi": "alibi.attn"}
 
@@ -264,7 +267,8 @@ class Prepared:
     out: Any = None  # the fixed output buffer, if any
 
 
-def prep_attnlang(al, torch, x: Inputs, variant, params, *, contig: bool) -> Prepared:
+def prep_attnlang(al, torch, x: Inputs, variant, params, *, contig: bool,
+                  arch: str | None = None) -> Prepared:
     s = x.spec
     if contig:
         kc, vc = x.contig(torch)
@@ -277,7 +281,7 @@ def prep_attnlang(al, torch, x: Inputs, variant, params, *, contig: bool) -> Pre
     attn = C.make_batch_attention(
         al, variant, num_qo_heads=s.hq, num_kv_heads=s.hkv, head_dim=HEAD_DIM,
         dtype="bfloat16", page_size=page_size, max_batch_size=x.batch, max_total_q=x.total,
-        max_kv_indices=max(len(plan[2]), 1))
+        max_kv_indices=max(len(plan[2]), 1), **({"arch": arch} if arch else {}))
     attn.plan(*plan)
     out = torch.empty_like(x.q)
     kw: dict[str, Any] = {}
@@ -517,10 +521,11 @@ class Prefill:
     def maker(self, x: Inputs, c: str) -> Callable[[], Prepared] | str:
         """A zero-argument setup for contender c on x, or why it does not run."""
         torch, spec = self.torch, x.spec
-        if c in ATTNLANG:
+        if c.startswith("attnlang"):
             if self.al is None:
                 return "attnlang not importable"
-            return partial(self._prep_attnlang, x, contig=c.endswith("contig"))
+            return partial(self._prep_attnlang, x, contig=c.endswith("contig"),
+                           arch=MMA_SYNC_ARCH if c == "attnlang_mma_sync" else None)
         if c.startswith("flashinfer"):
             if self.fi is None:
                 return self.fi_note
@@ -534,9 +539,9 @@ class Prefill:
             return partial(prep_flex, torch, x, self.slopes)
         return partial(prep_sdpa, torch, x, c)
 
-    def _prep_attnlang(self, x: Inputs, *, contig: bool) -> Prepared:
+    def _prep_attnlang(self, x: Inputs, *, contig: bool, arch: str | None) -> Prepared:
         return prep_attnlang(self.al, self.torch, x, self.variant(x.spec.kind),
-                             self.params(x.spec.kind), contig=contig)
+                             self.params(x.spec.kind), contig=contig, arch=arch)
 
     def contender_pass(self, names: list[str], contenders: list[str]) -> None:
         for name in names:
@@ -637,13 +642,14 @@ class Prefill:
             frac = get("attnlang_paged", "frac_matmul")
             cells = dict(workload=name, paged=C.fmt(get("attnlang_paged", "tflops"), ".0f"),
                          contig=C.fmt(get("attnlang_contig", "tflops"), ".0f"),
+                         sync=C.fmt(get("attnlang_mma_sync", "tflops"), ".0f"),
                          mm=C.fmt(100 * frac, ".0f") + "%" if frac else "-",
                          err=C.err_cell(get("attnlang_paged", "rel_err")))
             for peer in PEERS:
                 cells[peer] = C.fmt(get(peer, "attnlang_paged_over_peer"), ".2f")
             summary.append(cells)
         cols = [("workload", "workload"), ("paged", "al paged TF/s"), ("contig", "al contig"),
-                ("mm", "paged/mm"), ("err", "al err")]
+                ("sync", "al mma.sync"), ("mm", "paged/mm"), ("err", "al err")]
         cols += [(p, "x" + short[p]) for p in PEERS]
         table = C.format_table(
             summary, cols,

@@ -1,14 +1,15 @@
 """Prefill template shapes, side by side: which tile layout is fastest on the GPU at hand.
 
 The prefill kernel's layout per head_dim lives in attnlang/codegen/config.py
-(`_PREFILL_SHAPE`: KV tile keys, pipeline stages, warps, 16-row blocks per warp, CTAs per SM).
+(`_PREFILL_WGMMA_SHAPE` for the wgmma path an H100 runs, `_PREFILL_SHAPE` for the mma.sync
+path, `--mma-sync`: KV tile keys, pipeline stages, warps, 16-row blocks per warp, CTAs per SM).
 This script times attnlang_paged on benchmarks/prefill.py's workloads (same inputs, same
 checks against the float32 reference rows) once per candidate shape, recompiling the kernel
 for each, and prints TFLOP/s per (workload, shape). It changes nothing on disk: a winner is
 copied into config.py by hand, with the figures into benchmarks/NOTES.md.
 
-    python3 benchmarks/prefill_shapes.py --shapes "32,2,4,2,2;64,2,8,1,1" \
-        [--only causal_s16384,full_s4096] [--out $OUT]
+    python3 benchmarks/prefill_shapes.py --shapes "64,4,8,1,1;128,3,8,1,1" \
+        [--mma-sync] [--only causal_s16384,full_s4096] [--out $OUT]
 
 Shapes are for head_dim 128 (the workloads' head_dim); the first is the baseline of the ratio
 column.
@@ -38,18 +39,21 @@ def parse_shapes(text: str) -> list[tuple[int, ...]]:
     return shapes
 
 
-def use_shape(shape: tuple[int, ...]) -> None:
-    """Make the next compile_variant build head_dim 128 prefill kernels with `shape`."""
+def use_shape(shape: tuple[int, ...], mma_sync: bool) -> None:
+    """Make the next compile_variant build head_dim 128 prefill kernels with `shape` (on the
+    mma.sync path's table, or the wgmma path's)."""
     from attnlang.codegen import config
 
-    config._PREFILL_SHAPE[P.HEAD_DIM] = shape
+    table = config._PREFILL_SHAPE if mma_sync else config._PREFILL_WGMMA_SHAPE
+    table[P.HEAD_DIM] = shape
     C.forget_compiled_modules()
 
 
 class Shapes(P.Prefill):
-    def __init__(self, args, shapes):
+    def __init__(self, args, shapes, mma_sync):
         super().__init__(args)
         self.shapes = shapes
+        self.arch = P.MMA_SYNC_ARCH if mma_sync else None  # None: the device's (sm_90a)
 
     def label(self, shape) -> str:
         return "al[" + ",".join(map(str, shape)) + "]"
@@ -66,7 +70,7 @@ class Shapes(P.Prefill):
             C.log(f"attnlang not importable: {note}")
             return 1
         for shape in self.shapes:
-            use_shape(shape)
+            use_shape(shape, self.arch is not None)
             self.variants.clear()
             for name in names:
                 x, note = self.run.step(f"{name} inputs", lambda n=name: self.get_inputs(n),
@@ -74,7 +78,8 @@ class Shapes(P.Prefill):
                 if x is None:
                     continue
                 self.measure(x, self.label(shape),
-                             lambda x=x: self._prep_attnlang(x, contig=False), need=20)
+                             lambda x=x: self._prep_attnlang(x, contig=False, arch=self.arch),
+                             need=20)
         self.run.finish()
         self._tmp.cleanup()
         return 0
@@ -101,12 +106,15 @@ class Shapes(P.Prefill):
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    shapes = "32,2,4,2,2"
+    shapes = "64,4,8,1,1"
+    mma_sync = "--mma-sync" in argv
+    if mma_sync:
+        argv.remove("--mma-sync")
     if "--shapes" in argv:
         i = argv.index("--shapes")
         shapes = argv[i + 1]
         del argv[i:i + 2]
-    return Shapes(P.parse_args(argv), parse_shapes(shapes)).main()
+    return Shapes(P.parse_args(argv), parse_shapes(shapes), mma_sync).main()
 
 
 if __name__ == "__main__":

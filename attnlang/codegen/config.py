@@ -18,12 +18,18 @@ decode (kernels_templates/decode.cu.j2), block (TX, R, TZ):
 merge (kernels_templates/merge.cu.j2), block (TX, ROWS, 1): one TX-lane group per merge row,
 grid-stride over rows; no shared memory.
 
-prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS, 1, 1): tensor cores (mma.sync
-m16n8k16), each warp owns 16 * ROW_BLOCKS fused rows, so a work item covers
-R = 16 * ROW_BLOCKS * WARPS rows (128). KV tiles of `kv_tile` keys (`_PREFILL_SHAPE`, per
-head_dim: the most the registers hold without spills; O and S fragments take
-ROW_BLOCKS * (head_dim/2 + kv_tile/2) registers per lane) stream through a `stages`-deep
-cp.async ring; shared memory = K and V stages plus the [R][head_dim] Q tile.
+prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS, 1, 1): tensor cores, each warp
+owns 16 * ROW_BLOCKS fused rows, so a work item covers R = 16 * ROW_BLOCKS * WARPS rows (128).
+KV tiles of `kv_tile` keys stream through a `stages`-deep cp.async ring; shared memory = K and
+V stages plus the [R][head_dim] Q tile. Two instruction paths, chosen by the target arch:
+  mma.sync m16n8k16 (`_PREFILL_SHAPE`, any sm_80+ target): per head_dim the most the
+    registers hold without spills; O and S fragments take ROW_BLOCKS * (head_dim/2 +
+    kv_tile/2) registers per lane.
+  wgmma (`_PREFILL_WGMMA_SHAPE`, sm_90a, head_dim 64 and 128): two warpgroups of 64 rows;
+    the accumulators take head_dim/2 + kv_tile/2 registers per lane and the operands come
+    from shared memory, so one CTA per SM holds a deeper ring.
+The arch therefore enters `template_shape` and `launch_config`; None means the mma.sync path
+(what every sm_80+ target runs).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import numbers
 from dataclasses import dataclass
 
 __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "TemplateShape", "LaunchConfig", "template_shape",
-           "launch_config", "dtype_ctype", "STATIC_SMEM_LIMIT"]
+           "launch_config", "dtype_ctype", "uses_wgmma", "STATIC_SMEM_LIMIT"]
 
 KINDS = ("decode", "prefill", "merge")
 # dtype name -> (C type, bytes)
@@ -64,6 +70,18 @@ _PREFILL_SHAPE = {
     128: (64, 2, 4, 2, 2),
     256: (32, 2, 8, 1, 1),
 }
+# The wgmma path, same fields: 8 warps = two warpgroups of 64 rows, each issuing
+# m64n{kv_tile}k16 for S and m64n{head_dim}k16 for O; one CTA per SM. The V of a tile stays
+# in use while the next tile's S is computed (the warpgroup overlaps one tile's P V with the
+# next one's softmax), so of `stages` stages two are read and the rest in flight. Head dim
+# 128: tiles of 128 keys in three stages (224 KB) measured 1.00-1.10x of 64 keys in four
+# (benchmarks/NOTES.md, wgmma prefill). Head dim 256 stays on mma.sync (its Q tile and stages
+# do not fit).
+_PREFILL_WGMMA_SHAPE = {
+    64: (64, 4, 8, 1, 1),
+    128: (128, 3, 8, 1, 1),
+}
+_WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100)
 
 
 @dataclass(frozen=True)
@@ -86,6 +104,8 @@ class TemplateShape:
     max_threads: int  # __launch_bounds__: most threads per CTA
     min_blocks: int  # __launch_bounds__: CTAs of max_threads per SM (a register cap)
     row_blocks: int = 1  # prefill: 16-row mma blocks per warp
+    wgmma: bool = False  # prefill: the wgmma path (sm_90a) instead of mma.sync
+    sub_keys: int = 0  # prefill: keys per softmax step (S of a step is in registers)
 
 
 @dataclass(frozen=True)
@@ -138,8 +158,15 @@ def dtype_ctype(dtype: str) -> str:
     return DTYPES[dtype][0]
 
 
-def template_shape(kind: str, head_dim: int, dtype: str) -> TemplateShape:
-    """The compile-time constants of `kind` for (head_dim, dtype). Raises ValueError."""
+def uses_wgmma(kind: str, head_dim: int, arch: str | None) -> bool:
+    """True when `kind` at head_dim compiled for `arch` takes the wgmma path (prefill on
+    sm_90a at head_dim 64 or 128). ``uses_wgmma("prefill", 128, "sm_90a")`` -> True."""
+    return kind == "prefill" and arch in _WGMMA_ARCHS and head_dim in _PREFILL_WGMMA_SHAPE
+
+
+def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None) -> TemplateShape:
+    """The compile-time constants of `kind` for (head_dim, dtype) on `arch` (None: the
+    mma.sync path every sm_80+ target runs). Raises ValueError."""
     _check(kind, head_dim, dtype)
     head_dim = int(head_dim)
     ctype, size = DTYPES[dtype]
@@ -148,9 +175,14 @@ def template_shape(kind: str, head_dim: int, dtype: str) -> TemplateShape:
     if kind == "merge":
         return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, 0, 0, 0, _MERGE_THREADS, 1)
     if kind == "prefill":
-        kv_tile, stages, warps, row_blocks, min_blocks = _PREFILL_SHAPE[head_dim]
+        wgmma = uses_wgmma(kind, head_dim, arch)
+        table = _PREFILL_WGMMA_SHAPE if wgmma else _PREFILL_SHAPE
+        kv_tile, stages, warps, row_blocks, min_blocks = table[head_dim]
+        # mma.sync: S of 32 keys for 32 rows beside O is what the registers hold, a tile is
+        # consumed in steps; wgmma: a warp's 16 rows hold S of the whole tile.
+        sub_keys = kv_tile if wgmma else min(kv_tile, 32)
         return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, kv_tile, stages, 0,
-                             32 * warps, min_blocks, row_blocks)
+                             32 * warps, min_blocks, row_blocks, wgmma, sub_keys)
     kv_tile = _TILE_BYTES // (2 * head_dim * size)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
@@ -164,7 +196,7 @@ def _next_pow2(n: int) -> int:
 
 
 def launch_config(kind: str, head_dim: int, group_size: int,
-                  dtype: str = "bfloat16") -> LaunchConfig:
+                  dtype: str = "bfloat16", arch: str | None = None) -> LaunchConfig:
     """Block, rows per work item, dynamic shared memory and KV tile of a launch.
 
     group_size: query heads per KV head. The decode kernel fuses a work item's rows over the
@@ -177,11 +209,14 @@ def launch_config(kind: str, head_dim: int, group_size: int,
     LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=0, kv_tile=0)
     >>> launch_config("prefill", 128, 4)
     LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=98304, kv_tile=64)
+    >>> launch_config("prefill", 128, 4, arch="sm_90a")
+    LaunchConfig(block=(256, 1, 1), rows_per_tile=128, smem_bytes=163840, kv_tile=64)
 
     The prefill kernel's rows do not depend on group_size: its R fused rows cover R / group
-    queries of every head of the group.
+    queries of every head of the group. arch: the target the kernel was compiled for (it
+    picks the prefill path, see `template_shape`).
     """
-    shape = template_shape(kind, head_dim, dtype)
+    shape = template_shape(kind, head_dim, dtype, arch)
     if not _is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     group_size, head_dim = int(group_size), int(head_dim)

@@ -60,16 +60,66 @@ def _header(name: str) -> str:
     return (paths.templates_dir() / name).read_text()
 
 
+_PTX_TYPE = {"float16": "f16", "bfloat16": "bf16"}
 
 
-def context(hooks: Hooks, kind: str, dtype: str, head_dim: int) -> dict[str, object]:
+def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bool) -> str:
+    """One wgmma.mma_async m64n{n}k16 wrapper (fp32 accumulators d[n / 8][4]: d[j][c] is the
+    element of n-tile j, c as in an mma.sync C fragment; the register order of the PTX ISA's
+    wgmma D fragment). A from shared memory (descriptor, K-major) or registers (the mma.sync
+    A fragment of the warp's 16 rows); B from shared memory, K-major for the former and
+    MN-major (transposed) for the latter; d = A B + (accumulate ? d : 0)."""
+    acc = [f"d[{j}][{c}]" for j in range(n // 8) for c in range(4)]
+    k = len(acc)
+    d_list = ", ".join(f"%{i}" for i in range(k))
+    if a_from_registers:
+        a_decl, a_ops = "const unsigned (&a)[4]", '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), '
+        a_list, flags, b, pred = f"{{ %{k}, %{k + 1}, %{k + 2}, %{k + 3} }}", "1, 1, 1", k + 4, k + 5
+    else:
+        a_decl, a_ops = "const unsigned long long a_desc", '"l"(a_desc), '
+        a_list, flags, b, pred = f"%{k}", "1, 1, 0, 0", k + 1, k + 2
+    outs = ",\n        ".join(", ".join(f'"+f"({x})' for x in acc[i:i + 8])
+                               for i in range(0, k, 8))
+    return (
+        f"// {doc}\n"
+        f"__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_decl},\n"
+        f"    const unsigned long long b_desc, const int accumulate) {{\n"
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
+        f'      "{{ {d_list} }}, {a_list}, %{b}, p, {flags};\\n}}\\n"\n'
+        f"      : {outs}\n"
+        f'      : {a_ops}"l"(b_desc), "r"(accumulate));\n'
+        f"}}\n"
+    )
+
+
+def _wgmma_source(shape: config.TemplateShape) -> str:
+    """The wgmma helpers (wgmma.cuh) and this instance's two wrappers: wgmma_qk (S = Q K^T,
+    N = sub_keys keys) and wgmma_pv (O += P V, N = head_dim). Spliced into every prefill
+    source; only the wgmma path calls them, so other targets never emit them."""
+    ptx = _PTX_TYPE[shape.dtype]
+    return "\n".join((
+        _header("wgmma.cuh"),
+        "namespace attnlang {",
+        _wgmma_call("wgmma_qk", "S (+)= Q K^T: Q and K tiles in shared memory", shape.sub_keys,
+                    ptx, a_from_registers=False),
+        _wgmma_call("wgmma_pv", "O (+)= P V: P in registers, V in shared memory (MN-major)",
+                    shape.head_dim, ptx, a_from_registers=True),
+        "}  // namespace attnlang",
+    ))
+
+
+def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
+            arch: str | None = None) -> dict[str, object]:
     """Every value a template splices, by name. Raises ValueError for a bad kind, dtype or
     head_dim (`config.template_shape` validates them).
 
     ``hooks_source`` carries what the hooks need besides common.cuh: the interval helpers of
-    ``variant::mask_tile`` (mask_tiles.cuh), spliced verbatim ahead of the hooks.
+    ``variant::mask_tile`` (mask_tiles.cuh), spliced verbatim ahead of the hooks. arch picks
+    the prefill path (`config.uses_wgmma`); ``wgmma`` is its C++ literal, ``wgmma_source``
+    the Hopper helpers (prefill only).
     """
-    shape = config.template_shape(kind, head_dim, dtype)
+    shape = config.template_shape(kind, head_dim, dtype, arch)
     return {
         "variant_name": hooks.variant,
         "dtype": dtype,
@@ -83,6 +133,9 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int) -> dict[str, obj
         "max_threads": shape.max_threads,
         "min_blocks": shape.min_blocks,
         "row_blocks": shape.row_blocks,
+        "sub_keys": shape.sub_keys,
+        "wgmma": "true" if shape.wgmma else "false",
+        "wgmma_source": _wgmma_source(shape) if kind == "prefill" else "",
         "hooks_source": _header("mask_tiles.cuh") + "\n" + hooks.source,
         "variant_params": hooks.kernel_params_decl,
         "params_init": hooks.params_init,
@@ -98,11 +151,13 @@ def _resolve_line_resets(text: str, name: str) -> str:
     return "\n".join(lines)
 
 
-def render(hooks: Hooks, kind: str, dtype: str, head_dim: int) -> str:
+def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None = None) -> str:
     """The complete CUDA source of kernel `kind` ("decode", "prefill" or "merge") for these
     hooks.
 
-    dtype: "float16" or "bfloat16"; head_dim: 64, 128 or 256. The source's ``extern "C"``
+    dtype: "float16" or "bfloat16"; head_dim: 64, 128 or 256; arch: the compile target, which
+    picks the prefill path (None: mma.sync, which every sm_80+ target runs; "sm_90a": wgmma
+    at head_dim 64 and 128). The source's ``extern "C"``
     entry is named after the kind; its arguments are INTERNALS.md's followed by
     ``hooks.kernel_params``. Raises ValueError for an unsupported kind, dtype or head_dim.
 
@@ -111,6 +166,6 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int) -> str:
         src = render(lower(attnlang.load("examples/softcap.attn")), "decode", "bfloat16", 128)
         'extern "C" __global__' in src   # True
     """
-    ctx = context(hooks, kind, dtype, head_dim)
+    ctx = context(hooks, kind, dtype, head_dim, arch)
     text = environment().get_template(f"{kind}.cu.j2").render(**ctx)
     return _resolve_line_resets(text, generated_name(hooks, kind))

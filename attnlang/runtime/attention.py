@@ -745,9 +745,10 @@ class BatchAttention:
                    else getattr(self.module, "variant", None))
         self._mask = variant.mask if variant is not None else None
         s = self.shape
-        self._decode_cfg = launch_config("decode", s.head_dim, s.group_size, s.dtype)
-        self._prefill_cfg = launch_config("prefill", s.head_dim, s.group_size, s.dtype)
-        self._merge_cfg = launch_config("merge", s.head_dim, s.group_size, s.dtype)
+        arch = self.module.arch  # the prefill kernel's path (and launch) depends on it
+        self._decode_cfg = launch_config("decode", s.head_dim, s.group_size, s.dtype, arch)
+        self._prefill_cfg = launch_config("prefill", s.head_dim, s.group_size, s.dtype, arch)
+        self._merge_cfg = launch_config("merge", s.head_dim, s.group_size, s.dtype, arch)
         self._decode = self.module.function("decode", self.device,
                                             dynamic_smem=self._decode_cfg.smem_bytes)
         self._prefill = self.module.function("prefill", self.device,

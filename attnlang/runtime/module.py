@@ -205,7 +205,7 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     cubins, entries = {}, {}
     short = _SHORT_DTYPE[dtype]
     for kind in kinds:
-        source = generate_source(variant, kind, dtype, head_dim)
+        source = generate_source(variant, kind, dtype, head_dim, arch)
         label = f"{variant.name}/{kind} {short} d{head_dim}"
         cubin = compile_source(source, arch, name=f"{variant.name}_{kind}.cu", label=label)
         cubins[kind] = cubin

@@ -57,7 +57,7 @@ def _emulated_source(src: str, kind: str) -> str:
     assert n_cp == (kind == "prefill"), (
         "prefill.cu.j2's cp_async_16_shared changed; update the emulator")
     src = src.replace(_SMEM_U32, "return (unsigned)((const unsigned char*)ptr - emu_smem());")
-    src = src.replace("extern __shared__ __align__(128) unsigned char smem[];",
+    src = src.replace("extern __shared__ __align__(1024) unsigned char smem[];",
                       "extern __shared__ __align__(16) unsigned char smem[];")
     out = base._emulated_source(src, kind)
     include = f'#include "{base.SHIM}"'

@@ -1,9 +1,10 @@
 """The prefill kind: rendering, its launch shape, and its sources through NVRTC.
 
 Every variant renders a prefill source with exactly the decode kernel's arguments (the
-runtime launches both kinds alike), and compiles for sm_90a at bf16 / head_dim 128 within the
-spill budget below; qk_norm (reductions and rope in two vector hooks: the heaviest on
-registers) also over every dtype x head_dim x {sm_90a, sm_80}.
+runtime launches both kinds alike), and compiles at bf16 / head_dim 128 for sm_90a (the wgmma
+path: no spills, and no wgmma serialised by ptxas) and for sm_90 and sm_80 (the mma.sync
+path) within the spill budget below; qk_norm (reductions and rope in two vector hooks: the
+heaviest on registers) also over every dtype x head_dim x {sm_90a, sm_80}.
 """
 
 from __future__ import annotations
@@ -71,9 +72,43 @@ def test_launch_config_prefill():
                 assert shape.min_blocks * (cfg.smem_bytes + 1024) <= 228 * 1024
 
 
-SPILL_BUDGET = 64  # bytes (the zoo at head_dim 128 spills up to 56 on sm_90a, 40 on sm_80)
+def test_launch_config_prefill_wgmma():
+    # Two warpgroups of 64 rows (the same 128-row work items), three stages of 128 keys.
+    assert config.launch_config("prefill", 128, 4, arch="sm_90a") == config.LaunchConfig(
+        (256, 1, 1), 128, 3 * 2 * 128 * 128 * 2 + 128 * 128 * 2, 128)
+    for head_dim in config.HEAD_DIMS:
+        for arch in ("sm_90a", "sm_90", "sm_80", "sm_100a", None):
+            wgmma = config.uses_wgmma("prefill", head_dim, arch)
+            assert wgmma == (arch == "sm_90a" and head_dim in (64, 128))
+            shape = config.template_shape("prefill", head_dim, "float16", arch)
+            assert shape.wgmma == wgmma
+            cfg = config.launch_config("prefill", head_dim, 8, "float16", arch)
+            # Both paths take 128-row work items; the KV tile (the planner's chunk unit)
+            # comes from the launch config of the path.
+            assert cfg.rows_per_tile == 128 and cfg.kv_tile == shape.kv_tile
+            assert shape.sub_keys == (shape.kv_tile if wgmma else min(shape.kv_tile, 32))
+            # The CTAs per SM the kernel is built for fit the H100's 228 KB (227 per CTA).
+            assert cfg.smem_bytes <= 227 * 1024
+            assert shape.min_blocks * (cfg.smem_bytes + 1024) <= 228 * 1024
+    assert not config.uses_wgmma("decode", 128, "sm_90a")
 
-_MATRIX = [(v, "bfloat16", 128, a) for v in VARIANT_IDS for a in ("sm_90a", "sm_80")]
+
+def test_wgmma_source_only_for_sm_90a():
+    hooks = lower(load(by_id("softcap")))
+    hopper = render(hooks, "prefill", "bfloat16", 128, "sm_90a")
+    assert "constexpr bool kWgmma = true;" in hopper
+    # S of a 128-key tile, O of head_dim 128
+    assert hopper.count("wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16") == 2
+    for arch in (None, "sm_90", "sm_80"):
+        assert "constexpr bool kWgmma = false;" in render(hooks, "prefill", "bfloat16", 128, arch)
+    fp16 = render(hooks, "prefill", "float16", 64, "sm_90a")
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16" in fp16
+    assert "kWgmma" not in render(hooks, "decode", "bfloat16", 128, "sm_90a")
+
+
+SPILL_BUDGET = 64  # bytes, mma.sync path (the zoo at head_dim 128 spills up to 56 on sm_90, 40 on sm_80)
+
+_MATRIX = [(v, "bfloat16", 128, a) for v in VARIANT_IDS for a in ("sm_90a", "sm_90", "sm_80")]
 _MATRIX += [("qk_norm", d, hd, a) for d in config.DTYPES for hd in config.HEAD_DIMS
             for a in ("sm_90a", "sm_80") if (d, hd) != ("bfloat16", 128)]
 
@@ -85,15 +120,21 @@ def test_prefill_compiles_without_spills(variant, dtype, head_dim, arch):
     from attnlang.runtime.compiler import compile_source
 
     hooks = lower(load(by_id(variant)))
-    src = render(hooks, "prefill", dtype, head_dim)
+    src = render(hooks, "prefill", dtype, head_dim, arch)
     cubin = compile_source(src, arch, name=generated_name(hooks, "prefill"),
                            label=f"{variant} prefill {dtype} d{head_dim}")
     (info,) = [f for f in cubin.functions if f.name == "prefill"]
+    shape = config.template_shape("prefill", head_dim, dtype, arch)
+    if shape.wgmma:
+        # S of 128 keys, P and O fill the registers (220-255 in the zoo) but nothing may
+        # spill, and ptxas reports (C75xx) when it has to serialise wgmma: both would cost
+        # the path its overlap of softmax and matmuls.
+        assert info.spill_stores == 0 and info.spill_loads == 0, cubin.log
+        assert "C75" not in cubin.log, cubin.log
     # 32 rows per warp fill 255 registers by design (O alone takes 128 at head_dim 128), and
     # ptxas parks a few item-invariant values in local memory: at most SPILL_BUDGET bytes,
     # reloaded outside the sub-tile loop (the SASS in benchmarks/NOTES.md, v3 prefill). More
     # means a hook or a template change pushed the hot loop itself into local memory.
     assert info.spill_stores <= SPILL_BUDGET and info.spill_loads <= SPILL_BUDGET, cubin.log
     assert info.stack_bytes <= SPILL_BUDGET, cubin.log
-    shape = config.template_shape("prefill", head_dim, dtype)
     assert info.registers <= min(255, 65536 // (shape.max_threads * shape.min_blocks))

@@ -161,6 +161,30 @@ def test_tile_skipping_boundaries(cp, error_log, name, lengths, dtype, head_dim,
                   expect_prefill=True)
 
 
+# ---------------------------------------------------------------------------- mma.sync on Hopper
+
+# On an H100 BatchAttention compiles for sm_90a, where the prefill kernel at head_dim 64 and
+# 128 takes the wgmma path; compiled for plain sm_90 the same template takes the mma.sync path
+# every other GPU runs. These cases keep that path covered on the Hopper test machine: the
+# zoo (both dtypes, both head dims, paged and GQA) and the tile-skipping sources.
+_SYNC = [(v, ("bfloat16", "float16")[n % 2], (128, 64)[n % 2], (16, 1)[n % 2], (4, 1)[n % 2],
+          3000 + n) for n, v in enumerate(VARIANT_IDS + list(WINDOW_SOURCES))]
+
+
+@pytest.mark.parametrize("name, dtype, head_dim, page_size, group, seed", _SYNC,
+                         ids=[f"{v}-{SHORT[d]}-d{hd}" for v, d, hd, _, _, _ in _SYNC])
+def test_mma_sync_path_on_hopper(cp, error_log, name, dtype, head_dim, page_size, group, seed):
+    if cp.cuda.Device().compute_capability != "90":
+        pytest.skip("the other GPUs run the mma.sync path in every test")
+    variant = (attnlang.parse(WINDOW_SOURCES[name], filename=f"{name}.attn")
+               if name in WINDOW_SOURCES else attnlang.load(VARIANT_PATHS[name]))
+    plan, _, _ = run_and_check(
+        cp, variant, (65, 333), (65, 900), num_qo_heads=2 * group, num_kv_heads=2,
+        head_dim=head_dim, dtype=dtype, page_size=page_size, seed=seed, error_log=error_log,
+        where=f"mma.sync {name} {SHORT[dtype]} d{head_dim}", arch="sm_90",
+        kv_chunk_size=300 if seed % 3 == 0 else None)
+
+
 @pytest.mark.parametrize("chunk", [64, 100, 333])
 def test_tile_skipping_with_split_kv(cp, error_log, chunk):
     """KV chunks that start mid-tile and items whose chunk is fully masked."""
