@@ -70,21 +70,23 @@ def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bo
     A fragment of the warp's 16 rows); B from shared memory, K-major for the former and
     MN-major (transposed) for the latter; d = A B + (accumulate ? d : 0)."""
     acc = [f"d[{j}][{c}]" for j in range(n // 8) for c in range(4)]
-    k = len(acc)
-    d_list = ", ".join(f"%{i}" for i in range(k))
+    k = len(acc)  # operands %0 .. %k-1 are the accumulators, then A, B, accumulate
     if a_from_registers:
-        a_decl, a_ops = "const unsigned (&a)[4]", '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), '
-        a_list, flags, b, pred = f"{{ %{k}, %{k + 1}, %{k + 2}, %{k + 3} }}", "1, 1, 1", k + 4, k + 5
+        a_decl = "const unsigned (&a)[4]"
+        a_ops = ", ".join(f'"r"(a[{i}])' for i in range(4)) + ", "
+        a_list = "{ " + ", ".join(f"%{k + i}" for i in range(4)) + " }"
+        flags, b = "1, 1, 1", k + 4  # scale-a, scale-b, transpose-b
     else:
-        a_decl, a_ops = "const unsigned long long a_desc", '"l"(a_desc), '
-        a_list, flags, b, pred = f"%{k}", "1, 1, 0, 0", k + 1, k + 2
+        a_decl, a_ops, a_list = "const unsigned long long a_desc", '"l"(a_desc), ', f"%{k}"
+        flags, b = "1, 1, 0, 0", k + 1  # scale-a, scale-b, transpose-a, transpose-b
+    d_list = ", ".join(f"%{i}" for i in range(k))
     outs = ",\n        ".join(", ".join(f'"+f"({x})' for x in acc[i:i + 8])
                                for i in range(0, k, 8))
     return (
         f"// {doc}\n"
         f"__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_decl},\n"
         f"    const unsigned long long b_desc, const int accumulate) {{\n"
-        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{pred}, 0;\\n"\n'
+        f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{b + 1}, 0;\\n"\n'
         f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
         f'      "{{ {d_list} }}, {a_list}, %{b}, p, {flags};\\n}}\\n"\n'
         f"      : {outs}\n"
