@@ -29,7 +29,7 @@ __all__ = [
     "ATTENTION_DTYPES", "TensorInfo", "normalize_dtype", "describe", "is_torch_tensor",
     "is_device_array", "host_int_array", "current_stream", "empty_output",
     "to_device_param", "float_to_bfloat16_bits", "bfloat16_bits_to_float", "round_to_dtype",
-    "cupy_bfloat16",
+    "cupy_bfloat16", "signature", "data_ptr", "current_stream_ptr",
 ]
 
 # The activation dtypes of the attention kernels, by canonical name -> element bytes.
@@ -200,6 +200,63 @@ def describe(x: Any, name: str) -> TensorInfo:
         f"{name} must be an array (CuPy, torch, NumPy or anything with "
         f"__cuda_array_interface__ / DLPack), got {type(x).__name__}"
     )
+
+
+# -- the per-call fast path of run(): what an array is, apart from where it is
+
+# type -> (signature, pointer) readers, filled on first sight of each array type.
+_READERS: dict[type, tuple[Any, Any] | None] = {}
+
+
+def _readers(t: type):
+    if t is TensorInfo:
+        return (lambda x: (t, x.shape, x.strides, x.dtype, x.kind, x.device),
+                lambda x: x.ptr)
+    torch = sys.modules.get("torch")
+    if torch is not None and issubclass(t, torch.Tensor):
+        # get_device() is the CUDA ordinal, -1 on the CPU: validation rejects the latter.
+        return (lambda x: (t, x.shape, x.stride(), x.dtype, x.get_device()),
+                lambda x: x.data_ptr())
+    cupy = sys.modules.get("cupy")
+    if cupy is not None and issubclass(t, cupy.ndarray):
+        return (lambda x: (t, x.shape, x.strides, x.dtype, x.device.id),
+                lambda x: x.data.ptr)
+    return None  # host arrays (contents may change), foreign device arrays: no fast path
+
+
+def signature(x: Any) -> tuple | None:
+    """Everything run()'s validation reads of an array except its address: type, shape,
+    strides, dtype and device, as a hashable tuple; None when x is no CuPy array, torch
+    tensor or TensorInfo. Two arrays with one signature pass or fail validation alike, so
+    run() validates a signature once and afterwards reads only the pointer (`data_ptr`).
+
+    Example: ``signature(torch.empty(4, 8, device="cuda"))`` ->
+    ``(torch.Tensor, torch.Size([4, 8]), (8, 1), torch.float32, 0)``.
+    """
+    t = type(x)
+    readers = _READERS.get(t, False)
+    if readers is False:
+        readers = _READERS[t] = _readers(t)
+    return None if readers is None else readers[0](x)
+
+
+def data_ptr(x: Any) -> int:
+    """The device address of an array that has a `signature` (CuPy, torch, TensorInfo)."""
+    return _READERS[type(x)][1](x)
+
+
+def current_stream_ptr(torch_inputs: bool, device: int) -> int:
+    """The raw handle of the caller's current stream on `device`: torch's when the inputs are
+    torch tensors, else CuPy's. Cheaper than `current_stream` (no stream object)."""
+    if torch_inputs:
+        torch = sys.modules["torch"]
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)  # what inductor calls
+        if raw is not None:
+            return int(raw(device))
+        return int(torch.cuda.current_stream(device).cuda_stream)
+    import cupy
+
+    return int(cupy.cuda.get_current_stream().ptr)
 
 
 def host_int_array(x: Any, name: str) -> np.ndarray:

@@ -1,0 +1,397 @@
+"""The pure checks of BatchAttention: geometry, batch layout, run() inputs and params.
+
+Nothing here touches a GPU: arrays are only described (`arrays.describe`), so every check is
+tested on machines without one. Each raises ValueError/TypeError (PlanError for a batch
+layout) naming the argument, with what was expected and what was found.
+
+    shape = validate_shape(32, 8, 128, "bf16", 16)
+    inputs = validate_plan_inputs(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                  page_size=16)
+    args = validate_run_inputs(shape, variant.params, inputs, q, (k_cache, v_cache), params)
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attnlang import ir
+from attnlang.errors import did_you_mean
+from attnlang.runtime.arrays import TensorInfo, describe, host_int_array, normalize_dtype
+from attnlang.runtime.module import check_head_dim
+from attnlang.runtime.planner import PlanError, lengths_from_indptr
+
+__all__ = [
+    "AttentionShape", "PlanInputs", "RunInputs", "validate_shape", "validate_plan_inputs",
+    "validate_run_inputs", "resolve_params", "check_count",
+]
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class AttentionShape:
+    """The fixed geometry of a BatchAttention (validated by `validate_shape`)."""
+
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # "float16" | "bfloat16"
+    page_size: int
+
+    @property
+    def group_size(self) -> int:
+        return self.num_qo_heads // self.num_kv_heads
+
+
+def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: Any,
+                   page_size: Any) -> AttentionShape:
+    """Check BatchAttention's geometry; raise ValueError/TypeError naming the argument.
+
+    Example: ``validate_shape(32, 8, 128, "bf16", 16).group_size == 4``.
+    """
+    for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
+                        ("page_size", page_size)):
+        check_count(name, value)
+    if num_qo_heads % num_kv_heads:
+        raise ValueError(
+            f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
+            f"({num_kv_heads}): each KV head serves a group of query heads (GQA)"
+        )
+    head_dim = check_head_dim(head_dim)
+    return AttentionShape(int(num_qo_heads), int(num_kv_heads), head_dim,
+                          normalize_dtype(dtype), int(page_size))
+
+
+@dataclass(frozen=True, eq=False)
+class PlanInputs:
+    """A validated batch layout, on the host. Index arrays are int32; lengths int64."""
+
+    qo_indptr: np.ndarray  # [batch+1]
+    kv_indptr: np.ndarray  # [batch+1], in pages
+    kv_indices: np.ndarray  # [kv_indptr[-1]]
+    kv_last_page_len: np.ndarray  # [batch]
+    qo_lens: np.ndarray  # [batch]
+    kv_lens: np.ndarray  # [batch], in tokens
+    max_page: int  # largest page index referenced, -1 if none
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.qo_lens.shape[0])
+
+    @property
+    def total_q(self) -> int:
+        return int(self.qo_indptr[-1])
+
+
+def validate_plan_inputs(qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
+                         kv_last_page_len: Any, *, page_size: int) -> PlanInputs:
+    """Check a batch layout (LANGUAGE.md section 6) and compute each request's KV length:
+    ``kv_len = (pages - 1) * page_size + kv_last_page_len`` (0 for a request with no pages).
+
+    Host arrays (NumPy, lists) or device arrays (copied to the host once). Raises
+    PlanError (a ValueError) or TypeError naming the argument. Example::
+
+        validate_plan_inputs([0, 1, 2], [0, 3, 4], [7, 2, 5, 0], [5, 16], page_size=16)
+        # kv_lens [37, 16]
+    """
+    qo = _host_ints(qo_indptr, "qo_indptr")
+    kvp = _host_ints(kv_indptr, "kv_indptr")
+    idx = _host_ints(kv_indices, "kv_indices")
+    last = _host_ints(kv_last_page_len, "kv_last_page_len").astype(np.int64, copy=False)
+    qo_lens = lengths_from_indptr(qo, "qo_indptr")
+    pages = lengths_from_indptr(kvp, "kv_indptr")
+    batch = qo_lens.shape[0]
+    if pages.shape[0] != batch:
+        raise PlanError(
+            f"qo_indptr and kv_indptr must both have batch_size + 1 entries, got "
+            f"{qo.shape[0]} and {kvp.shape[0]}"
+        )
+    if last.shape[0] != batch:
+        raise PlanError(
+            f"kv_last_page_len must have one entry per request ({batch}), got {last.shape[0]}"
+        )
+    if idx.shape[0] != kvp[-1]:
+        raise PlanError(
+            f"kv_indices must have kv_indptr[-1] = {kvp[-1]} entries (one per page of the "
+            f"batch), got {idx.shape[0]}"
+        )
+    max_page = -1
+    if idx.size:
+        # int32 page numbers cannot exceed the range: one reduction less on the largest array.
+        max_page = int(idx.max())
+        if int(idx.min()) < 0 or max_page > _INT32_MAX:
+            idx = idx.astype(np.int64)
+            i = int(np.argmax((idx < 0) | (idx > _INT32_MAX)))
+            raise PlanError(f"kv_indices must be page numbers in [0, 2**31), got "
+                            f"kv_indices[{i}] = {idx[i]}")
+    has_pages = pages > 0
+    bad = (last > page_size) | (last < has_pages)  # at least 1 with pages, 0 without
+    if bad.any():
+        i = int(np.argmax(bad))
+        want = f"in [1, page_size={page_size}]" if has_pages[i] else (
+            f"0 (it has no pages) or at most page_size={page_size}")
+        raise PlanError(f"kv_last_page_len[{i}] = {last[i]} must be {want}")
+    kv_lens = np.where(has_pages, (pages - 1) * page_size + last, 0)
+    if (qo_lens > kv_lens).any():
+        i = int(np.argmax(qo_lens > kv_lens))
+        raise PlanError(
+            f"request {i} has {qo_lens[i]} queries (qo_indptr) but only {kv_lens[i]} KV tokens "
+            "(kv_indptr, kv_last_page_len): queries are the last tokens of their sequence, so "
+            "their K/V must already be in the cache (qo_len <= kv_len)"
+        )
+    if int(kv_lens.max(initial=0)) > _INT32_MAX or int(qo[-1]) > _INT32_MAX:
+        raise PlanError("lengths overflow int32")
+    return PlanInputs(
+        qo_indptr=_i32(qo), kv_indptr=_i32(kvp), kv_indices=_i32(idx),
+        kv_last_page_len=_i32(last), qo_lens=qo_lens, kv_lens=kv_lens, max_page=max_page,
+    )
+
+
+def _host_ints(x: Any, name: str) -> np.ndarray:
+    """host_int_array without its int64 copy for a 1-D NumPy integer array (plan()'s usual
+    input): such an array is returned as is, to be read only."""
+    if isinstance(x, np.ndarray) and x.ndim == 1 and x.dtype.kind in "iu" and x.size:
+        return x
+    return host_int_array(x, name)
+
+
+@dataclass(frozen=True, eq=False)
+class RunInputs:
+    """run()'s validated inputs: descriptions of the arrays, params in declaration order
+    (np.float32 / np.int32 scalars, TensorInfo for device tensors, np.ndarray for host
+    tensors still to be uploaded), the softmax scale and the device."""
+
+    q: TensorInfo
+    k_cache: TensorInfo
+    v_cache: TensorInfo
+    out: TensorInfo | None
+    lse: TensorInfo | None
+    params: tuple[tuple[ir.ParamSpec, Any], ...]
+    sm_scale: float
+    device: int
+
+
+def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
+                        inputs: PlanInputs, q: Any, kv_cache: Any, params: Any = None, *,
+                        out: Any = None, lse: Any = None, sm_scale: Any = None,
+                        variant_name: str = "variant") -> RunInputs:
+    """Check everything run() receives against the geometry and the planned batch (`inputs`,
+    from validate_plan_inputs); raise ValueError/TypeError naming the argument. Pure: arrays
+    are only described (TensorInfo instances may be passed in place of arrays), nothing
+    touches a GPU.
+
+    q [total_q, num_qo_heads, head_dim]; kv_cache = (k_cache, v_cache), each
+    [num_pages, page_size, num_kv_heads, head_dim]; out like q; lse [total_q, num_qo_heads]
+    float32. All contiguous, on one device, q/k/v/out of the BatchAttention's dtype.
+    """
+    total_q, hq, hkv, d = inputs.total_q, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
+    qi = _device_tensor(q, "q")
+    _check_array(qi, "q", (total_q, hq, d), "[total_q, num_qo_heads, head_dim]")
+    _check_dtype(qi, "q", shape.dtype)
+    if not isinstance(kv_cache, (tuple, list)) or len(kv_cache) != 2:
+        raise TypeError(
+            "kv_cache must be a (k_cache, v_cache) pair of [num_pages, page_size, "
+            f"num_kv_heads, head_dim] arrays, got {type(kv_cache).__name__}"
+        )
+    ki = _device_tensor(kv_cache[0], "k_cache")
+    vi = _device_tensor(kv_cache[1], "v_cache")
+    layout = "[num_pages, page_size, num_kv_heads, head_dim]"
+    _check_array(ki, "k_cache", (None, shape.page_size, hkv, d), layout)
+    num_pages = ki.shape[0]
+    _check_array(vi, "v_cache", ki.shape, f"{layout} (the shape of k_cache)")
+    for name, info in (("k_cache", ki), ("v_cache", vi)):
+        if info.dtype != qi.dtype:
+            raise TypeError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; they must match")
+    if inputs.max_page >= num_pages:
+        raise ValueError(
+            f"kv_indices (given to plan()) refers to page {inputs.max_page}, but k_cache has only "
+            f"{num_pages} pages: page indices must be < k_cache.shape[0]"
+        )
+    outi = lsei = None
+    if out is not None:
+        outi = _device_tensor(out, "out")
+        _check_array(outi, "out", qi.shape, "[total_q, num_qo_heads, head_dim], like q")
+        if outi.dtype != qi.dtype:
+            raise TypeError(f"out has dtype {outi.dtype} but q has {qi.dtype}; they must match")
+    if lse is not None:
+        lsei = _device_tensor(lse, "lse")
+        _check_array(lsei, "lse", (total_q, hq), "[total_q, num_qo_heads]")
+        if lsei.dtype != "float32":
+            raise TypeError(f"lse must be float32, got {lsei.dtype}")
+    arrays = [("q", qi), ("k_cache", ki), ("v_cache", vi), ("out", outi), ("lse", lsei)]
+    _check_same_device([(n, a) for n, a in arrays if a is not None])
+    if sm_scale is None:
+        scale = 1.0 / math.sqrt(d)
+    else:
+        if isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real):
+            raise TypeError(f"sm_scale must be a number, got {type(sm_scale).__name__}")
+        scale = float(sm_scale)
+        if not math.isfinite(scale):
+            raise ValueError(f"sm_scale must be finite, got {scale}")
+    resolved = resolve_params(specs, params, shape=shape, batch_size=inputs.batch_size,
+                              device=qi.device, variant_name=variant_name)
+    return RunInputs(qi, ki, vi, outi, lsei, resolved, scale, int(qi.device))
+
+
+def resolve_params(specs: Sequence[ir.ParamSpec], params: Any, *, shape: AttentionShape,
+                   batch_size: int, device: int | None = 0,
+                   variant_name: str = "variant") -> tuple[tuple[ir.ParamSpec, Any], ...]:
+    """Match run()'s `params` dict to the variant's declared params (declaration order).
+
+    Scalars: Python (or NumPy) numbers -> np.float32 / np.int32; a missing scalar takes its
+    default. Tensors ``float[EXTENT]`` / ``int[EXTENT]``: 1-D, exactly EXTENT long (heads,
+    kv_heads, batch, dim); device arrays must be float32 / int32 and contiguous (returned as
+    TensorInfo); NumPy arrays and lists are converted (returned as np.ndarray to upload).
+    Raises ValueError/TypeError naming the param, with a did-you-mean hint for unknown names.
+    """
+    if params is None:
+        params = {}
+    if not isinstance(params, Mapping):
+        raise TypeError(f"params must be a dict of param name -> value, got "
+                        f"{type(params).__name__}")
+    declared = {p.name: p for p in specs}
+    for name in params:
+        if name not in declared:
+            if not declared:
+                raise ValueError(f"unknown param {name!r}: variant {variant_name} takes no params")
+            hint = did_you_mean(str(name), declared)
+            raise ValueError(
+                f"unknown param {name!r} for variant {variant_name}"
+                + (f"; {hint}" if hint else "")
+                + f" (its params: {', '.join(declared)})"
+            )
+    extents = {"heads": shape.num_qo_heads, "kv_heads": shape.num_kv_heads,
+               "batch": batch_size, "dim": shape.head_dim}
+    resolved = []
+    for spec in specs:
+        decl = _describe_spec(spec)
+        if spec.name not in params or params[spec.name] is None:
+            if spec.is_tensor or spec.default is None:
+                raise ValueError(
+                    f"missing param {spec.name!r} ({decl}) of variant {variant_name}: pass "
+                    f"params={{{spec.name!r}: ...}} to run()"
+                )
+            value: Any = spec.default
+        else:
+            value = params[spec.name]
+        where = f"param {spec.name!r} ({decl})"
+        if not spec.is_tensor:
+            resolved.append((spec, _scalar_param(value, spec, where)))
+        else:
+            resolved.append((spec, _tensor_param(value, spec, extents[spec.extent],
+                                                 where, device)))
+    return tuple(resolved)
+
+
+def _describe_spec(spec: ir.ParamSpec) -> str:
+    if spec.is_tensor:
+        return f"{spec.type}[{spec.extent}]"
+    return f"{spec.type}" + (f" = {spec.default}" if spec.default is not None else "")
+
+
+def _scalar_param(value: Any, spec: ir.ParamSpec, where: str):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{where} must be a number, got {type(value).__name__}")
+    if spec.type is ir.INT:
+        if not isinstance(value, numbers.Integral):
+            raise TypeError(f"{where} must be an integer, got {value!r}")
+        if not -2**31 <= int(value) <= _INT32_MAX:
+            raise ValueError(f"{where} must fit in int32, got {value}")
+        return np.int32(value)
+    return np.float32(value)
+
+
+def _tensor_param(value: Any, spec: ir.ParamSpec, extent: int, where: str,
+                  device: int | None):
+    want = "int32" if spec.type is ir.INT else "float32"
+    if isinstance(value, (list, tuple)):
+        value = np.asarray(value)
+    if isinstance(value, (bool, numbers.Number)):
+        raise TypeError(f"{where} must be a 1-D array of {extent} values ({spec.extent}), "
+                        f"got a scalar")
+    info = describe(value, where)
+    if len(info.shape) != 1 or info.shape[0] != extent:
+        raise ValueError(
+            f"{where} must have shape ({extent},) (one value per {_EXTENT_WORDS[spec.extent]}), "
+            f"got {info.shape}"
+        )
+    if info.on_device:
+        if info.dtype != want:
+            raise TypeError(f"{where} must be a {want} device array, got {info.dtype} "
+                            f"(convert it with .astype({want}))")
+        if not info.contiguous:
+            raise ValueError(f"{where} must be contiguous")
+        if device is not None and info.device != device:
+            raise ValueError(f"{where} is on device {info.device} but q is on device {device}")
+        return info
+    host = np.asarray(value)
+    if spec.type is ir.INT:
+        if host.dtype == bool or not np.issubdtype(host.dtype, np.integer):
+            raise TypeError(f"{where} must hold integers, got dtype {host.dtype}")
+        if host.size and (host.min() < -2**31 or host.max() > _INT32_MAX):
+            raise ValueError(f"{where} values must fit in int32")
+    elif host.dtype == bool or not (np.issubdtype(host.dtype, np.floating)
+                                    or np.issubdtype(host.dtype, np.integer)):
+        raise TypeError(f"{where} must hold real numbers, got dtype {host.dtype}")
+    return np.ascontiguousarray(host, dtype=want)
+
+
+_EXTENT_WORDS = {"heads": "query head", "kv_heads": "KV head", "batch": "request",
+                 "dim": "element of a head vector"}
+
+
+def _device_tensor(x: Any, name: str) -> TensorInfo:
+    if x is None:
+        raise TypeError(f"{name} is required")
+    info = describe(x, name)
+    if not info.on_device:
+        raise TypeError(
+            f"{name} must be a device array (a CuPy array or a CUDA torch tensor), got a "
+            f"{info.type_name()}; move it to the GPU first (cupy.asarray / tensor.cuda())"
+        )
+    return info
+
+
+def _check_array(info: TensorInfo, name: str, expected: tuple, layout: str) -> None:
+    if len(info.shape) != len(expected) or any(
+            e is not None and s != e for s, e in zip(info.shape, expected, strict=True)):
+        shown = "(" + ", ".join("N" if e is None else str(e) for e in expected) + ")"
+        raise ValueError(f"{name} must have shape {layout} = {shown}, got {info.shape}")
+    if not info.contiguous:
+        raise ValueError(f"{name} must be contiguous (C order); pass a contiguous copy")
+
+
+def _check_dtype(info: TensorInfo, name: str, dtype: str) -> None:
+    if info.dtype == dtype:
+        return
+    # CuPy without ml_dtypes has no bfloat16: its bits travel as uint16 (arrays.py).
+    if dtype == "bfloat16" and info.dtype == "uint16" and info.kind != "torch":
+        return
+    raise TypeError(f"{name} has dtype {info.dtype} but this BatchAttention was built for "
+                    f"{dtype}")
+
+
+def _check_same_device(arrays: list[tuple[str, TensorInfo]]) -> None:
+    first_name, first = arrays[0]
+    for name, info in arrays[1:]:
+        if info.device != first.device:
+            raise ValueError(f"{name} is on device {info.device} but {first_name} is on device "
+                             f"{first.device}; all inputs must be on one GPU")
+
+
+def check_count(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be a positive integer, got {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+
+
+def _i32(a: np.ndarray) -> np.ndarray:
+    """A contiguous int32 copy (never the caller's array: PlanInputs outlives the call)."""
+    return np.array(a, dtype=np.int32)

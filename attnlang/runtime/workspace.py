@@ -1,0 +1,212 @@
+"""The device workspace of a BatchAttention and the arguments of its kernel launches.
+
+plan() writes a host image of one int32 workspace (`workspace_layout`, `fill_workspace`) and
+copies it to the GPU in one transfer; its sections sit at fixed offsets, so the kernels'
+pointers never move and a CUDA graph captured once stays valid. `kernel_args` is the
+argument list of each kernel (docs/INTERNALS.md order); `PackedArgs` holds it packed once
+for cuLaunchKernel, so run() rewrites only the pointers and params of each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from attnlang import ir
+from attnlang.runtime.arrays import TensorInfo
+from attnlang.runtime.planner import BatchPlan, Plan, PlanBounds
+from attnlang.runtime.validate import PlanInputs
+
+__all__ = ["WorkspaceLayout", "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs"]
+
+# Workspace sections start on 128-byte boundaries (32 int32s): coalesced, vector-loadable.
+_ALIGN = 32
+
+# Sections of the int32 workspace, in memory order. The page table goes last so one copy of
+# [0, its start + used length) moves everything a plan wrote.
+_WORK = ("work_request", "work_kv_head", "work_row_start", "work_kv_start", "work_kv_end",
+         "work_partial")
+# The prefill kernel's work list: the same arrays under a "prefill_" prefix.
+_PREFILL_PREFIX = "prefill_"
+_SECTIONS = (
+    "work_indptr", "merge_count", "qo_indptr", "kv_indptr", "kv_last_page_len", *_WORK,
+    "prefill_work_indptr", *(_PREFILL_PREFIX + name for name in _WORK),
+    "merge_indptr", "merge_token", "merge_head", "merge_request", "merge_slots", "kv_indices",
+)
+
+
+@dataclass(frozen=True)
+class WorkspaceLayout:
+    """Offsets and capacities (int32 elements) of the workspace sections; total size."""
+
+    offsets: Mapping[str, int]
+    capacity: Mapping[str, int]
+    total: int
+
+    def copy_elems(self, num_kv_indices: int) -> int:
+        """Elements to copy for a plan whose page table has num_kv_indices entries."""
+        return self.offsets["kv_indices"] + num_kv_indices
+
+
+def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
+                     num_prefill_ctas: int | None = None) -> WorkspaceLayout:
+    """The fixed layout of the int32 workspace for these capacities: the decode kernel's work
+    list (num_ctas CTAs), the prefill kernel's (num_prefill_ctas, default num_ctas), each
+    holding up to bounds.max_work_items items, the merge list and the page table.
+
+    Example: ``workspace_layout(132, worst_case_bounds(...), 1 << 20).total``.
+    """
+    b, w = bounds.max_batch_size, bounds.max_work_items
+    m, p = bounds.max_merge_rows, bounds.max_partial_rows
+    prefill_ctas = num_ctas if num_prefill_ctas is None else num_prefill_ctas
+    caps = {
+        "work_indptr": num_ctas + 1, "prefill_work_indptr": prefill_ctas + 1, "merge_count": 1,
+        "qo_indptr": b + 1, "kv_indptr": b + 1, "kv_last_page_len": b, "merge_indptr": m + 1,
+        "merge_slots": p, "kv_indices": max_kv_indices,
+    }
+    for name in _WORK:
+        caps[name] = caps[_PREFILL_PREFIX + name] = w
+    for name in ("merge_token", "merge_head", "merge_request"):
+        caps[name] = m
+    offsets, at = {}, 0
+    for name in _SECTIONS:
+        offsets[name] = at
+        at += -(-max(caps[name], 1) // _ALIGN) * _ALIGN
+    return WorkspaceLayout(offsets, caps, at)
+
+
+def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: BatchPlan | Plan,
+                   inputs: PlanInputs) -> int:
+    """Write `plan` and the page table into the host image of the workspace (int32, at
+    least layout.total long). Returns how many leading elements must be copied to the GPU.
+    A bare Plan (plan_batch) is a decode-only batch: the prefill list is left empty. The
+    caller has checked the capacities (the planner's bounds, max_kv_indices)."""
+    off = layout.offsets
+    host[off["merge_count"]] = plan.merge_count
+    arrays = [("qo_indptr", inputs.qo_indptr), ("kv_indptr", inputs.kv_indptr),
+              ("kv_last_page_len", inputs.kv_last_page_len), ("kv_indices", inputs.kv_indices),
+              *plan.merge_arrays().items()]
+    if isinstance(plan, BatchPlan):
+        arrays += plan.decode.work_arrays().items()
+        arrays += [(_PREFILL_PREFIX + k, a) for k, a in plan.prefill.work_arrays().items()]
+    else:
+        arrays += plan.work_arrays().items()
+        start = off["prefill_work_indptr"]
+        host[start:start + layout.capacity["prefill_work_indptr"]] = 0
+    for name, array in arrays:
+        n = array.shape[0]
+        if n:  # empty sections (an unused list, no merges) have nothing to write
+            start = off[name]
+            host[start:start + n] = array
+    return layout.copy_elems(inputs.kv_indices.shape[0])
+
+
+# ---------------------------------------------------------------------------- kernel args
+
+
+def kernel_args(kind: str, *, q: int, k_cache: int, v_cache: int, out: int, lse: int,
+                ws: Mapping[str, int], num_heads: int, num_kv_heads: int, page_size: int,
+                sm_scale: float, params: Sequence[tuple[ir.ParamSpec, Any]]) -> tuple:
+    """The argument tuple of a kernel launch, in docs/INTERNALS.md order.
+
+    Pointers (q..lse, and ws: workspace section name -> device address, including
+    "partial_o" and "partial_lse") become np.uint64; counts np.int32; sm_scale np.float32;
+    params follow in declaration order (np.float32 / np.int32 scalars, TensorInfo -> its
+    pointer).
+    """
+    ptr = np.uint64
+    tail = (np.int32(num_heads), np.int32(num_kv_heads), np.int32(page_size),
+            np.float32(sm_scale),
+            *(ptr(v.ptr) if isinstance(v, TensorInfo) else v for _, v in params))
+    if kind in ("decode", "prefill"):
+        # Same arguments (INTERNALS.md); each kernel reads its own work list.
+        prefix = _PREFILL_PREFIX if kind == "prefill" else ""
+        work = [ptr(ws[prefix + name]) for name in ("work_indptr", *_WORK)]
+        return (
+            ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(lse),
+            ptr(ws["qo_indptr"]), ptr(ws["kv_indptr"]), ptr(ws["kv_indices"]),
+            ptr(ws["kv_last_page_len"]),
+            *work,
+            ptr(ws["partial_o"]), ptr(ws["partial_lse"]),
+            *tail,
+        )
+    if kind == "merge":
+        return (
+            ptr(ws["merge_count"]), ptr(ws["merge_indptr"]), ptr(ws["merge_slots"]),
+            ptr(ws["merge_token"]), ptr(ws["merge_head"]), ptr(ws["merge_request"]),
+            ptr(out), ptr(lse), ptr(ws["partial_o"]), ptr(ws["partial_lse"]),
+            ptr(ws["qo_indptr"]), ptr(ws["kv_indptr"]), ptr(ws["kv_last_page_len"]),
+            *tail,
+        )
+    raise ValueError(f"unknown kernel kind {kind!r}")
+
+
+class PackedArgs:
+    """One kernel's arguments, in kernel_args order, packed once into 8-byte slots: the
+    kernelParams array that cuLaunchKernel reads (entry i points at slot i). update() rewrites
+    only what a call supplies (array pointers, sm_scale, params) and run() launches with
+    driver.launchKernel: CuPy's Function call converts all ~30 arguments on every call, ~25 us
+    per launch on the H100 host. The driver copies the values at launch (and at capture), so
+    the slots may be rewritten right after. Example::
+
+        packed = PackedArgs("decode", ws, num_heads=32, num_kv_heads=8, page_size=16,
+                            num_params=1)
+        packed.update(q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, sm_scale, params)
+        packed.values() == kernel_args("decode", q=q_ptr, ..., params=params)
+        driver.launchKernel(fn.ptr, *grid, *block, smem, stream.ptr, packed.kernel_params, 0)
+    """
+
+    __slots__ = ("_kind", "_u64", "_i32", "_f32", "_types", "_scale", "_pointers",
+                 "kernel_params")
+
+    def __init__(self, kind: str, ws: Mapping[str, int], *, num_heads: int, num_kv_heads: int,
+                 page_size: int, num_params: int):
+        fixed = kernel_args(kind, q=0, k_cache=0, v_cache=0, out=0, lse=0, ws=ws,
+                            num_heads=num_heads, num_kv_heads=num_kv_heads,
+                            page_size=page_size, sm_scale=0.0, params=())
+        n = len(fixed) + num_params
+        self._kind = kind
+        self._u64 = np.zeros(n, dtype=np.uint64)
+        # 4-byte values live in the low half of their slot (little-endian hosts): index 2 i.
+        self._i32 = self._u64.view(np.int32)
+        self._f32 = self._u64.view(np.float32)
+        self._types: list[type] = [type(v) for v in fixed] + [type(None)] * num_params
+        for i, value in enumerate(fixed):
+            self._store(i, value)
+        self._scale = len(fixed) - 1  # sm_scale's slot; params follow
+        self._pointers = self._u64.ctypes.data + 8 * np.arange(n, dtype=np.uint64)
+        self.kernel_params = int(self._pointers.ctypes.data)
+
+    def _store(self, i: int, value: Any) -> None:
+        if isinstance(value, TensorInfo):
+            self._u64[i] = value.ptr
+            self._types[i] = np.uint64
+        elif isinstance(value, (np.floating, float)):
+            self._f32[2 * i] = value
+            self._types[i] = np.float32
+        elif isinstance(value, (np.integer, int)) and not isinstance(value, np.uint64):
+            self._i32[2 * i] = value
+            self._types[i] = np.int32
+        else:
+            self._u64[i] = value
+            self._types[i] = np.uint64
+
+    def update(self, q: int, k_cache: int, v_cache: int, out: int, lse: int, sm_scale: float,
+               params: Sequence[tuple[ir.ParamSpec, Any]]) -> None:
+        u = self._u64
+        if self._kind == "merge":
+            u[6], u[7] = out, lse
+        else:
+            u[0], u[1], u[2], u[3], u[4] = q, k_cache, v_cache, out, lse
+        self._f32[2 * self._scale] = sm_scale
+        for i, (_, value) in enumerate(params, self._scale + 1):
+            self._store(i, value)
+
+    def values(self) -> tuple:
+        """The packed arguments as kernel_args returns them (for tests)."""
+        views = {np.uint64: self._u64, np.int32: self._i32, np.float32: self._f32}
+        return tuple(t(views[t][i if t is np.uint64 else 2 * i])
+                     for i, t in enumerate(self._types))
