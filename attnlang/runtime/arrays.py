@@ -29,7 +29,7 @@ __all__ = [
     "ATTENTION_DTYPES", "TensorInfo", "normalize_dtype", "describe", "is_torch_tensor",
     "is_device_array", "host_int_array", "current_stream", "empty_output",
     "to_device_param", "float_to_bfloat16_bits", "bfloat16_bits_to_float", "round_to_dtype",
-    "cupy_bfloat16", "signature", "data_ptr", "current_stream_ptr",
+    "cupy_bfloat16", "read_array", "signature", "data_ptr", "current_stream_ptr",
 ]
 
 # The activation dtypes of the attention kernels, by canonical name -> element bytes.
@@ -204,45 +204,51 @@ def describe(x: Any, name: str) -> TensorInfo:
 
 # -- the per-call fast path of run(): what an array is, apart from where it is
 
-# type -> (signature, pointer) readers, filled on first sight of each array type.
-_READERS: dict[type, tuple[Any, Any] | None] = {}
+# type -> reader(x) -> (signature, pointer), made on first sight of each array type; None for
+# types without a fast path.
+_READERS: dict[type, Any] = {}
 
 
-def _readers(t: type):
+def _reader(t: type):
     if t is TensorInfo:
-        return (lambda x: (t, x.shape, x.strides, x.dtype, x.kind, x.device),
-                lambda x: x.ptr)
+        return lambda x: ((t, x.shape, x.strides, x.dtype, x.kind, x.device), x.ptr)
     torch = sys.modules.get("torch")
     if torch is not None and issubclass(t, torch.Tensor):
         # get_device() is the CUDA ordinal, -1 on the CPU: validation rejects the latter.
-        return (lambda x: (t, x.shape, x.stride(), x.dtype, x.get_device()),
-                lambda x: x.data_ptr())
+        return lambda x: ((t, x.shape, x.stride(), x.dtype, x.get_device()), x.data_ptr())
     cupy = sys.modules.get("cupy")
     if cupy is not None and issubclass(t, cupy.ndarray):
-        return (lambda x: (t, x.shape, x.strides, x.dtype, x.device.id),
-                lambda x: x.data.ptr)
+        return lambda x: ((t, x.shape, x.strides, x.dtype, x.device.id), x.data.ptr)
     return None  # host arrays (contents may change), foreign device arrays: no fast path
 
 
-def signature(x: Any) -> tuple | None:
-    """Everything run()'s validation reads of an array except its address: type, shape,
-    strides, dtype and device, as a hashable tuple; None when x is no CuPy array, torch
-    tensor or TensorInfo. Two arrays with one signature pass or fail validation alike, so
-    run() validates a signature once and afterwards reads only the pointer (`data_ptr`).
+def read_array(x: Any) -> tuple[tuple, int] | None:
+    """(signature, pointer) of a CuPy array, torch tensor or TensorInfo; None for anything
+    else. The signature is everything run()'s validation reads of an array except its
+    address (type, shape, strides, dtype, device), as a hashable tuple: two arrays with one
+    signature pass or fail validation alike, so run() validates a signature once and later
+    reads only the pointer.
 
-    Example: ``signature(torch.empty(4, 8, device="cuda"))`` ->
-    ``(torch.Tensor, torch.Size([4, 8]), (8, 1), torch.float32, 0)``.
+    Example: ``read_array(torch.empty(4, 8, device="cuda"))`` ->
+    ``((torch.Tensor, torch.Size([4, 8]), (8, 1), torch.float32, 0), 0x7f...)``.
     """
     t = type(x)
-    readers = _READERS.get(t, False)
-    if readers is False:
-        readers = _READERS[t] = _readers(t)
-    return None if readers is None else readers[0](x)
+    try:
+        reader = _READERS[t]
+    except KeyError:
+        reader = _READERS[t] = _reader(t)
+    return None if reader is None else reader(x)
+
+
+def signature(x: Any) -> tuple | None:
+    """The signature part of `read_array` (None where it is None)."""
+    read = read_array(x)
+    return None if read is None else read[0]
 
 
 def data_ptr(x: Any) -> int:
-    """The device address of an array that has a `signature` (CuPy, torch, TensorInfo)."""
-    return _READERS[type(x)][1](x)
+    """The device address of an array that has a signature (CuPy, torch, TensorInfo)."""
+    return read_array(x)[1]
 
 
 def current_stream_ptr(torch_inputs: bool, device: int) -> int:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import math
 import sys
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +42,7 @@ from attnlang.runtime.arrays import (
     current_stream_ptr,
     data_ptr,
     empty_output,
-    signature,
+    read_array,
     to_device_param,
 )
 from attnlang.runtime.module import KernelModule
@@ -76,7 +77,7 @@ from attnlang.runtime.workspace import (
 __all__ = [
     "BatchAttention", "AttentionShape", "PlanInputs", "RunInputs", "WorkspaceLayout",
     "validate_shape", "validate_plan_inputs", "validate_run_inputs", "resolve_params",
-    "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs", "call_signature",
+    "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs", "describe_call",
     "CapacityError", "PlanError", "_SECTIONS",
 ]
 
@@ -258,7 +259,12 @@ class BatchAttention:
             # workspace, whichever streams the two use).
             self._copy_done = cupy.cuda.Event(disable_timing=True)
             self._run_done = cupy.cuda.Event(disable_timing=True)
-        self._copied = self._ran = False
+        self._copied = self._ran = self._ran_on_copy_stream = False
+        self._copy_stream: int | None = None  # the stream of the last plan's copy
+        # CuPy's raw driver and runtime bindings, looked up once (run() is on the hot path).
+        from cupy_backends.cuda.api import driver, runtime
+
+        self._driver, self._runtime = driver, runtime
         base = self._ints.data.ptr
         self._ws = {name: base + 4 * off for name, off in self._layout.offsets.items()}
         self._ws["partial_o"] = self._partial_o.data.ptr
@@ -340,11 +346,19 @@ class BatchAttention:
             if self._copied:
                 self._copy_done.synchronize()  # the last copy has finished reading _host
             n = fill_workspace(self._layout, self._host, plan, inputs)
+            # Earlier runs must have read the workspace before the copy rewrites it: those on
+            # other streams recorded _run_done; those on the last copy's stream are ordered
+            # before this copy when it is the same stream, else (a rare switch; that stream
+            # may even be gone) the device is synchronised.
             if self._ran:
-                stream.wait_event(self._run_done)  # earlier runs have read the workspace
+                stream.wait_event(self._run_done)
+            if self._ran_on_copy_stream and stream.ptr != self._copy_stream:
+                cupy.cuda.runtime.deviceSynchronize()
             cupy.cuda.runtime.memcpyAsync(self._ints.data.ptr, self._host.ctypes.data, 4 * n,
                                           cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
             self._copy_done.record(stream)
+        self._copy_stream = stream.ptr
+        self._ran = self._ran_on_copy_stream = False
         self._copied = True
         self._plan, self._inputs = plan, inputs
         self._checked.clear()  # validation depends on the plan (total_q, pages, batch size)
@@ -374,73 +388,63 @@ class BatchAttention:
         their addresses (another layer's cache, a new q) reuses that call's validation
         (`call_signature`): it reads pointers, checks their alignment and launches.
         """
-        import cupy
-        from cupy_backends.cuda.api import driver, runtime
-
         if self._plan is None or self._inputs is None:
             raise RuntimeError("call plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len) "
                                "before run()")
-        key = call_signature(q, kv_cache, params, out, lse, sm_scale)
-        checked = self._checked.get(key) if key is not None else None
+        described = describe_call(q, kv_cache, params, out, lse, sm_scale)
+        checked = None
+        if described is not None:
+            key, pointers, tensor_ptrs = described
+            checked = self._checked.get(key)
         if checked is None:
             checked = self._check_call(q, kv_cache, params, out, lse, sm_scale)
-            if key is not None:
+            if described is None:
+                pointers = tuple(i.ptr if i is not None else 0 for i in checked.arrays)
+                tensor_ptrs = {spec.name: v.ptr for spec, v in checked.param_values
+                               if isinstance(v, TensorInfo)}
+            else:
                 if len(self._checked) >= _CHECKED_CALLS:
                     self._checked.clear()
                 self._checked[key] = checked
-        k_cache, v_cache = kv_cache
-        q_ptr, k_ptr, v_ptr = data_ptr(q), data_ptr(k_cache), data_ptr(v_cache)
-        out_ptr = data_ptr(out) if out is not None else 0
+        q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = pointers
         if (q_ptr | k_ptr | v_ptr | out_ptr) & 15:
             raise ValueError(_misaligned(q=q_ptr, k_cache=k_ptr, v_cache=v_ptr, out=out_ptr))
         values = checked.param_values
         if checked.tensor_params:
             values = list(values)
             for i, name in checked.tensor_params:
-                values[i] = (values[i][0], np.uint64(data_ptr(params[name])))
-        device = self.device
-        switch = runtime.getDevice() != device
-        if switch:
-            previous = runtime.getDevice()
+                values[i] = (values[i][0], np.uint64(tensor_ptrs[name]))
+        runtime, device = self._runtime, self.device
+        previous = runtime.getDevice()
+        if previous != device:
             runtime.setDevice(device)
         try:
             stream = current_stream_ptr(checked.torch_io, device)
             capturing = runtime.streamIsCapturing(stream)
             uploaded = []
             if checked.host_params:
-                # Host tensor params (only on unmemoised calls): uploaded on this stream; kept
-                # referenced until the launches are enqueued. CuPy's pool is stream-ordered,
-                # so their memory is reused only by later work of this stream.
-                if capturing:
-                    name = values[checked.host_params[0]][0].name
-                    raise ValueError(
-                        f"param {name!r} is a host array; while a CUDA graph is being "
-                        "captured pass a device array (its copy cannot be captured)")
-                values = list(values)
-                with cupy.cuda.ExternalStream(stream, device):
-                    for i in checked.host_params:
-                        spec, host = values[i]
-                        array, info = to_device_param(host, host.dtype.name, device)
-                        uploaded.append(array)
-                        values[i] = (spec, info)
-            out_obj = out if out is not None else _empty_like(q, checked.torch_io)
+                values, uploaded = self._upload_host_params(values, checked.host_params,
+                                                            stream, capturing)
+            out_obj = out
             if out is None:
+                out_obj = _empty_like(q, checked)
                 out_ptr = data_ptr(out_obj)
-            lse_obj, lse_ptr = lse, self._lse_scratch.data.ptr
-            if lse is not None:
-                lse_ptr = data_ptr(lse)
-            elif return_lse and self.module.softmax:
-                lse_obj = _empty_lse(q, checked.torch_io, (self._inputs.total_q,
-                                                         self.shape.num_qo_heads))
-                lse_ptr = data_ptr(lse_obj)
-            if not capturing and stream not in self._waited:
-                # plan() may have copied on another stream: order this stream after the copy
-                # (once per plan and stream; later launches on it are ordered anyway).
+            lse_obj = lse
+            if lse is None:
+                lse_ptr = self._lse_scratch.data.ptr
+                if return_lse and self.module.softmax:
+                    lse_obj = _empty_lse(q, checked, (self._inputs.total_q,
+                                                      self.shape.num_qo_heads))
+                    lse_ptr = data_ptr(lse_obj)
+            if not capturing and stream != self._copy_stream and stream not in self._waited:
+                # plan() copied on another stream: order this one after the copy (once per
+                # plan and stream; later launches on it are ordered anyway).
                 runtime.streamWaitEvent(stream, self._copy_done.ptr, 0)
                 self._waited.add(stream)
             call = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, checked.sm_scale, values)
             # A kernel whose work list is empty has nothing to do; under capture every kernel
             # a later plan() may use is recorded (fixed grids, fixed workspace).
+            launch_kernel = self._driver.launchKernel
             plan, reachable = self._plan, self._reachable
             for kind, fn, needed in (("decode", self._decode, plan.decode.num_work_items),
                                      ("prefill", self._prefill, plan.prefill.num_work_items),
@@ -449,18 +453,45 @@ class BatchAttention:
                     (gx, gy, gz), (bx, by, bz), smem = self._launch_dims[kind]
                     packed = self._packed[kind]
                     packed.update(*call)
-                    driver.launchKernel(fn.ptr, gx, gy, gz, bx, by, bz, smem, stream,
-                                        packed.kernel_params, 0)
+                    launch_kernel(fn.ptr, gx, gy, gz, bx, by, bz, smem, stream,
+                                  packed.kernel_params, 0)
             del uploaded
             if not capturing:
-                runtime.eventRecord(self._run_done.ptr, stream)  # plan() waits on it
-                self._ran = True
+                # plan() must not rewrite the workspace before these launches have read it:
+                # on plan()'s own stream that is stream order; elsewhere plan() waits on this.
+                if stream == self._copy_stream:
+                    self._ran_on_copy_stream = True
+                else:
+                    runtime.eventRecord(self._run_done.ptr, stream)
+                    self._ran = True
         finally:
-            if switch:
+            if previous != device:
                 runtime.setDevice(previous)
         if return_lse:
             return out_obj, (lse_obj if self.module.softmax else None)
         return out_obj
+
+    def _upload_host_params(self, values, host_params, stream: int, capturing: bool):
+        """Copy host tensor params (unmemoised calls only) to the device on `stream`. The
+        uploads stay referenced until the launches are enqueued; CuPy's pool is
+        stream-ordered, so their memory is reused only by later work of this stream."""
+        import cupy
+
+        if capturing:
+            name = values[host_params[0]][0].name
+            raise ValueError(f"param {name!r} is a host array; while a CUDA graph is being "
+                             "captured pass a device array (its copy cannot be captured)")
+        values, uploaded = list(values), []
+        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for raw handles
+            warnings.simplefilter("ignore", DeprecationWarning)
+            external = cupy.cuda.ExternalStream(stream, self.device)
+        with external:
+            for i in host_params:
+                spec, host = values[i]
+                array, info = to_device_param(host, host.dtype.name, self.device)
+                uploaded.append(array)
+                values[i] = (spec, info)
+        return values, uploaded
 
     # -- internals
 
@@ -477,7 +508,8 @@ class BatchAttention:
                         if isinstance(v, TensorInfo))
         host = tuple(i for i, (_, v) in enumerate(args.params) if isinstance(v, np.ndarray))
         return _CheckedCall(torch_io=args.q.kind == "torch", param_values=args.params,
-                            tensor_params=tensors, host_params=host, sm_scale=args.sm_scale)
+                            tensor_params=tensors, host_params=host, sm_scale=args.sm_scale,
+                            arrays=(args.q, args.k_cache, args.v_cache, args.out, args.lse))
 
     def _num_sms(self) -> int:
         import cupy
@@ -516,26 +548,36 @@ class _CheckedCall:
     tensor_params: tuple[tuple[int, str], ...]
     host_params: tuple[int, ...]
     sm_scale: float
+    # The first call's descriptions of q, k_cache, v_cache, out, lse (None where absent):
+    # their pointers serve unmemoised calls.
+    arrays: tuple[TensorInfo | None, ...] = ()
 
 
-def call_signature(q: Any, kv_cache: Any, params: Any, out: Any, lse: Any,
-                   sm_scale: Any) -> tuple | None:
-    """The key under which run() reuses a validation: each array's `signature` (everything
-    validation reads but the address), each param's name, type and value (device tensors by
-    signature), sm_scale's type and value. None when the call must be validated in full:
-    not a (k, v) pair, params not a dict, host-array params (contents may change), arrays
-    of other kinds.
+def describe_call(q: Any, kv_cache: Any, params: Any, out: Any, lse: Any,
+                  sm_scale: Any) -> tuple[tuple, tuple[int, ...], dict[str, int]] | None:
+    """(key, pointers, tensor_param_pointers) of one run() call; None when it must be
+    validated in full: not a (k, v) pair, params not a dict, host-array params (contents
+    may change), arrays other than CuPy / torch / TensorInfo.
+
+    key: under which run() reuses a validation, made of each array's signature (everything
+    validation reads but the address; `arrays.read_array`), each param's name, type and value
+    (device tensors by signature), and sm_scale's type and value. pointers: q, k_cache,
+    v_cache, out, lse (0 where absent).
 
     Example: two layers' calls ``(q1, (k1, v1), {"cap": 30.0})`` and
     ``(q2, (k2, v2), {"cap": 30.0})`` with equal shapes, dtypes and strides share a key.
     """
-    if type(kv_cache) not in (tuple, list) or len(kv_cache) != 2:
+    if (type(kv_cache) is not tuple and type(kv_cache) is not list) or len(kv_cache) != 2:
         return None
-    arrays = (signature(q), signature(kv_cache[0]), signature(kv_cache[1]),
-              None if out is None else signature(out), None if lse is None else signature(lse))
-    if arrays[0] is None or arrays[1] is None or arrays[2] is None or (
-            out is not None and arrays[3] is None) or (lse is not None and arrays[4] is None):
+    rq, rk, rv = read_array(q), read_array(kv_cache[0]), read_array(kv_cache[1])
+    if rq is None or rk is None or rv is None:
         return None
+    ro = rl = (None, 0)
+    if out is not None and (ro := read_array(out)) is None:
+        return None
+    if lse is not None and (rl := read_array(lse)) is None:
+        return None
+    tensor_ptrs: dict[str, int] = {}
     if params is None:
         pkey: tuple = ()
     elif type(params) is dict:
@@ -545,14 +587,16 @@ def call_signature(q: Any, kv_cache: Any, params: Any, out: Any, lse: Any,
             if kind is float or kind is int or isinstance(value, (np.floating, np.integer)):
                 items.append((name, kind, value))  # the type: True == 1 but bool is an error
             else:
-                sig = signature(value)
-                if sig is None:
+                read = read_array(value)
+                if read is None:
                     return None
-                items.append((name, sig))
+                items.append((name, read[0]))
+                tensor_ptrs[name] = read[1]
         pkey = tuple(items)
     else:
         return None
-    return arrays, pkey, type(sm_scale), sm_scale
+    key = (rq[0], rk[0], rv[0], ro[0], rl[0], pkey, type(sm_scale), sm_scale)
+    return key, (rq[1], rk[1], rv[1], ro[1], rl[1]), tensor_ptrs
 
 
 def _misaligned(**pointers: int) -> str:
@@ -562,24 +606,22 @@ def _misaligned(**pointers: int) -> str:
             "whole row)")
 
 
-def _empty_like(q: Any, torch_io: bool):
+def _empty_like(q: Any, checked: _CheckedCall):
     """A new output shaped and typed like q (validated: contiguous, q's dtype and device)."""
-    if torch_io:
+    if checked.torch_io:
         return sys.modules["torch"].empty_like(q)
-    import cupy
+    cupy = sys.modules["cupy"]
+    if isinstance(q, cupy.ndarray):
+        return cupy.empty_like(q)  # on the current device: run() has made it q's
+    info = checked.arrays[0]  # another kind of device array: a CuPy output
+    return empty_output(info, info.shape, info.dtype)[0]
 
-    if isinstance(q, TensorInfo):  # pure-test descriptions have no memory to allocate like
-        return empty_output(q, q.shape, q.dtype)[0]
-    return cupy.empty_like(q)
 
-
-def _empty_lse(q: Any, torch_io: bool, shape: tuple[int, int]):
-    if torch_io:
+def _empty_lse(q: Any, checked: _CheckedCall, shape: tuple[int, int]):
+    if checked.torch_io:
         torch = sys.modules["torch"]
         return torch.empty(shape, dtype=torch.float32, device=q.device)
-    import cupy
-
-    return cupy.empty(shape, dtype=np.float32)
+    return sys.modules["cupy"].empty(shape, dtype=np.float32)
 
 
 def _check_module(module: KernelModule, shape: AttentionShape) -> None:

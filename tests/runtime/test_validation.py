@@ -358,10 +358,13 @@ def test_packed_args_equal_kernel_args(path):
         assert (np.diff(pointers) == 8).all()
 
 
-def test_call_signature_tracks_everything_but_addresses():
+def test_call_key_tracks_everything_but_addresses():
     """run() reuses a validation for calls that differ only in their arrays' addresses (a
     new q, another layer's cache); any other change is validated anew."""
-    key = A.call_signature
+    def key(*args):
+        described = A.describe_call(*args)
+        return None if described is None else described[0]
+
     q, k, v = dev((4, 8, 64), "bfloat16"), dev((9, 16, 2, 64), "bfloat16"), dev(
         (9, 16, 2, 64), "bfloat16", ptr=64)
     cap = 30.0
@@ -399,6 +402,10 @@ def test_call_signature_tracks_everything_but_addresses():
     assert key(q, k, None, None, None, None) is None
     assert key(q, (k, v), [("cap", 1.0)], None, None, None) is None
     assert key(np.zeros((4, 8, 64)), (k, v), None, None, None, None) is None
+    # the pointers come along: q, k_cache, v_cache, out, lse (0 where absent), tensor params
+    _, pointers, tensor_ptrs = A.describe_call(q, (k, v), {"s": dev((8,), "float32", ptr=96)},
+                                               None, dev((4, 8), "float32", ptr=32), None)
+    assert pointers == (q.ptr, k.ptr, v.ptr, 0, 32) and tensor_ptrs == {"s": 96}
 
 
 def test_kernel_args_rejects_unknown_kind():
