@@ -38,6 +38,7 @@ import numpy as np
 from attnlang import ir
 from attnlang.runtime import planner
 from attnlang.runtime.arrays import (
+    _READERS,
     TensorInfo,
     current_stream_ptr,
     data_ptr,
@@ -269,23 +270,29 @@ class BatchAttention:
         self._ws = {name: base + 4 * off for name, off in self._layout.offsets.items()}
         self._ws["partial_o"] = self._partial_o.data.ptr
         self._ws["partial_lse"] = self._partial_lse.data.ptr
-        # Per-call constants of run(): packed kernel arguments and launch dimensions.
-        self._packed = {kind: PackedArgs(kind, self._ws, num_heads=s.num_qo_heads,
-                                         num_kv_heads=s.num_kv_heads, page_size=s.page_size,
-                                         num_params=len(self.module.params))
-                        for kind in ("decode", "prefill", "merge")}
-        self._launch_dims = {
-            kind: ((int(grid), 1, 1), _block3(cfg.block), int(cfg.smem_bytes))
-            for kind, grid, cfg in (("decode", self.num_ctas, self._decode_cfg),
-                                    ("prefill", self.num_prefill_ctas, self._prefill_cfg),
-                                    ("merge", self._merge_grid, self._merge_cfg))}
         # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
         # A request has qo_len * group fused rows, from group up to max_total_q * group.
-        self._reachable = {
+        reachable = {
             "decode": s.group_size <= self.prefill_min_rows,
             "prefill": max_total_q * s.group_size > self.prefill_min_rows,
             "merge": True,
         }
+        # Each kernel's launch as run() hands it to cuLaunchKernel: function, grid, block,
+        # shared memory and its arguments, packed once (run() rewrites pointers and params).
+        self._launches = {}
+        for kind, fn, grid, cfg in (("decode", self._decode, self.num_ctas, self._decode_cfg),
+                                    ("prefill", self._prefill, self.num_prefill_ctas,
+                                     self._prefill_cfg),
+                                    ("merge", self._merge, self._merge_grid, self._merge_cfg)):
+            packed = PackedArgs(kind, self._ws, num_heads=s.num_qo_heads,
+                                num_kv_heads=s.num_kv_heads, page_size=s.page_size,
+                                num_params=len(self.module.params))
+            self._launches[kind] = (fn.ptr, int(grid), 1, 1, *_block3(cfg.block),
+                                    int(cfg.smem_bytes), packed)
+        self._capture_launches = tuple(launch for kind, launch in self._launches.items()
+                                       if reachable[kind])
+        # plan() picks the launches its plan needs (a kernel with no work is not launched).
+        self._plan_launches: tuple = ()
         # run()'s validated calls of the current plan, by call_signature; _waited: streams
         # already ordered after the current plan's copy.
         self._checked: dict[tuple, _CheckedCall] = {}
@@ -359,6 +366,11 @@ class BatchAttention:
             self._copy_done.record(stream)
         self._copy_stream = stream.ptr
         self._ran = self._ran_on_copy_stream = False
+        # A kernel whose work list is empty has nothing to do.
+        needed = {"decode": plan.decode.num_work_items, "prefill": plan.prefill.num_work_items,
+                  "merge": plan.merge_count}
+        self._plan_launches = tuple(launch for kind, launch in self._launches.items()
+                                    if needed[kind] > 0)
         self._copied = True
         self._plan, self._inputs = plan, inputs
         self._checked.clear()  # validation depends on the plan (total_q, pages, batch size)
@@ -442,19 +454,13 @@ class BatchAttention:
                 runtime.streamWaitEvent(stream, self._copy_done.ptr, 0)
                 self._waited.add(stream)
             call = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, checked.sm_scale, values)
-            # A kernel whose work list is empty has nothing to do; under capture every kernel
-            # a later plan() may use is recorded (fixed grids, fixed workspace).
+            # The plan's launches; under capture every kernel a later plan() may use (fixed
+            # grids, fixed workspace).
             launch_kernel = self._driver.launchKernel
-            plan, reachable = self._plan, self._reachable
-            for kind, fn, needed in (("decode", self._decode, plan.decode.num_work_items),
-                                     ("prefill", self._prefill, plan.prefill.num_work_items),
-                                     ("merge", self._merge, plan.merge_count)):
-                if needed > 0 or (capturing and reachable[kind]):
-                    (gx, gy, gz), (bx, by, bz), smem = self._launch_dims[kind]
-                    packed = self._packed[kind]
-                    packed.update(*call)
-                    launch_kernel(fn.ptr, gx, gy, gz, bx, by, bz, smem, stream,
-                                  packed.kernel_params, 0)
+            for fn, gx, gy, gz, bx, by, bz, smem, packed in (
+                    self._capture_launches if capturing else self._plan_launches):
+                packed.update(*call)
+                launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, packed.kernel_params, 0)
             del uploaded
             if not capturing:
                 # plan() must not rewrite the workspace before these launches have read it:
@@ -569,9 +575,14 @@ def describe_call(q: Any, kv_cache: Any, params: Any, out: Any, lse: Any,
     """
     if (type(kv_cache) is not tuple and type(kv_cache) is not list) or len(kv_cache) != 2:
         return None
-    rq, rk, rv = read_array(q), read_array(kv_cache[0]), read_array(kv_cache[1])
-    if rq is None or rk is None or rv is None:
-        return None
+    k_cache, v_cache = kv_cache
+    try:  # the hot path: array types seen before (arrays._READERS holds their readers)
+        rq, rk, rv = _READERS[type(q)](q), _READERS[type(k_cache)](k_cache), _READERS[
+            type(v_cache)](v_cache)
+    except (KeyError, TypeError):  # a type seen first, or one without a fast path (None)
+        rq, rk, rv = read_array(q), read_array(k_cache), read_array(v_cache)
+        if rq is None or rk is None or rv is None:
+            return None
     ro = rl = (None, 0)
     if out is not None and (ro := read_array(out)) is None:
         return None
