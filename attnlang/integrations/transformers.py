@@ -318,6 +318,9 @@ def attnlang_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     [B, Hkv, Sk, D] -> (out [B, Sq, Hq, D], None)."""
     _check_call(module, query, key, dropout, kwargs)
     variant, params = variant_for(_backend.variant, _backend.params, module)
+    if kwargs.get("cache") is not None:  # continuous batching: transformers' paged cache
+        return _paged_attention(module, query, key, value, scaling, variant, params,
+                                _backend, kwargs)
     batch, _, q_len, head_dim = query.shape
     if value.dtype != query.dtype or key.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)
@@ -336,6 +339,63 @@ def attnlang_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     out = group.attn.run(inputs.q, (inputs.k_cache, inputs.v_cache), params,
                          sm_scale=float(sm_scale))
     return inputs.output(out, batch, q_len), None
+
+
+def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
+                     value: torch.Tensor, scaling: float | None, variant: ir.Variant,
+                     params: dict, backend: _Backend, kwargs: Mapping[str, Any]):
+    """Continuous batching (``generate_batch``): query [1, Hq, Ntok, D] holds the new tokens
+    of every request, key/value [1, Hkv, Ntok, D] their new K/V; `cache` is transformers'
+    PagedAttentionCache, whose layer tensors are [slots, Hkv, D], i.e. attnlang's paged
+    layout with page_size 1. On full-attention layers the new K/V are written into their
+    slots and attention reads the cache in place through the layer group's read_index (no
+    gather); sliding-window layers go through the cache's own update(), which reads the old
+    window before overwriting it (new tokens may reuse slots earlier queries still read).
+    Requests: cu_seq_lens_q / cu_seq_lens_k. Returns ([1, Ntok, Hq, D], None)."""
+    cache = kwargs["cache"]
+    layer = module.layer_idx
+    group_idx, in_group = cache.layer_index_to_group_indices[layer]
+    read, write = kwargs["read_index"][group_idx], kwargs["write_index"][group_idx]
+    cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
+    layer_type = _layer_type(module)
+    if isinstance(cu_k, Mapping):
+        cu_k = cu_k[layer_type]
+    heads, head_dim = query.shape[1], query.shape[3]
+    kv_heads = key.shape[1]
+    new_k, new_v = (x[0].transpose(0, 1) for x in (key, value))  # [Ntok, Hkv, D]
+    in_place = cache.sliding_windows[layer] == 1 and read.numel() > 0
+    if in_place:
+        k_slots, v_slots = cache.key_cache[in_group], cache.value_cache[in_group]
+        k_slots.index_copy_(0, write, new_k.to(k_slots.dtype))
+        v_slots.index_copy_(0, write, new_v.to(v_slots.dtype))
+    else:
+        k_slots, v_slots = cache.update(key_states=key, value_states=value, layer_idx=layer,
+                                        read_index=kwargs["read_index"],
+                                        write_index=kwargs["write_index"])
+        k_slots, v_slots = k_slots.contiguous(), v_slots.contiguous()
+    group_key = (variant, layer_type + "|paged", heads, kv_heads, head_dim, query.dtype,
+                 query.device.index)
+    # The index tensors are persistent buffers rewritten in place each step: their version
+    # counters tell a new step from another layer of the same one.
+    plan_key = (in_place, tuple((t.data_ptr(), tuple(t.shape), t._version)
+                                for t in (cu_q, cu_k, read)), k_slots.shape[0])
+    group = backend.groups.get(group_key)
+    if group is None or group.plan_key != plan_key:
+        qo_indptr = cu_q.to("cpu", torch.int64).numpy()
+        kv_indptr = cu_k.to("cpu", torch.int64).numpy()
+        kv_lens = np.diff(kv_indptr)
+        total_kv = int(kv_indptr[-1])
+        kv_indices = (read[:total_kv].to("cpu", torch.int64).numpy() if in_place
+                      else np.arange(total_kv, dtype=np.int64))
+        group = backend.group(group_key, len(kv_lens), int(qo_indptr[-1]), total_kv)
+        group.attn.plan(qo_indptr, kv_indptr, kv_indices, (kv_lens > 0).astype(np.int32))
+        group.plan_key = plan_key
+    q = query[0].transpose(0, 1).contiguous()  # [Ntok, Hq, D]
+    pages = (-1, 1, kv_heads, head_dim)
+    sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
+    out = group.attn.run(q, (k_slots.view(pages), v_slots.view(pages)), params,
+                         sm_scale=float(sm_scale))
+    return out.unsqueeze(0), None
 
 
 def _padding_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0,
@@ -387,5 +447,7 @@ def register(name: str = "attnlang", variant: VariantSpec = None,
 
     attention.__name__ = f"attnlang_attention_{name}"
     AttentionInterface.register(name, attention)
+    AttentionInterface.register("paged|" + name, attention)  # generate_batch() switches to it
     AttentionMaskInterface.register(name, _padding_mask)
+    AttentionMaskInterface.register("paged|" + name, _padding_mask)
     return name
