@@ -161,3 +161,29 @@ def test_generate_batch_equals_generate(models, name):
            for o in outputs.values()}
     for prompt, tokens in zip(prompts, want, strict=True):
         assert got[tuple(prompt.tolist())] == tokens
+
+
+def test_tensor_parallel_tokens_equal_one_gpu(models, tmp_path):
+    """Under tp_plan="auto" on 2 GPUs each rank runs its own heads through attnlang; the tokens
+    equal the 1-GPU run's."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs (the nvidia-h200-x2 machine kind)")
+    model = models["llama"]
+    ids = _prompts(2, PROMPT, seed=7)
+    want = _generate(model, "attnlang", ids).tolist()
+    model.save_pretrained(tmp_path / "model")
+    (tmp_path / "prompt.json").write_text(json.dumps(ids.tolist()))
+    script = os.path.join(os.path.dirname(__file__), "tp_generate.py")
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", script,
+         str(tmp_path / "model"), str(tmp_path / "prompt.json"), str(tmp_path / "out.json")],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    got = json.loads((tmp_path / "out.json").read_text())
+    assert got["local_heads"] == model.config.num_attention_heads // 2  # heads were split
+    assert got["tokens"] == want
