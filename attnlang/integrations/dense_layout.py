@@ -88,6 +88,12 @@ def dense_plan(unit_pages: np.ndarray, q_len: int, kv_len: int,
         raise ValueError(f"the query ({q_len} tokens) is longer than the keys ({kv_len}): "
                          "queries must be the last tokens of the key sequence")
     start = kv_len - q_len  # key position of query row 0
+    if key_mask is None:  # no padding (every decode step of an unpadded batch): vectorised
+        n = batch * units
+        kv_indices = (unit_pages.reshape(n, 1) + np.arange(kv_len)).ravel()
+        return DensePlan(np.arange(n + 1, dtype=np.int32) * q_len,
+                         np.arange(n + 1, dtype=np.int32) * kv_len,
+                         kv_indices.astype(np.int32), np.full(n, int(kv_len > 0), np.int32))
     qo_lens, kv_lists = [], []  # one entry per request of one unit, per batch row
     for b in range(batch):
         real = None if key_mask is None else key_mask[b]

@@ -160,6 +160,18 @@ def _reads_numbering(variant: ir.Variant) -> bool:
 # ---------------------------------------------------------------------------- the runtime
 
 
+@dataclass(frozen=True)
+class _Layer:
+    """One attention layer's choice: its variant and params, its layer type (for the group
+    key), and whether the (row, KV head) layout applies (the variant ignores numbering)."""
+
+    module: Any
+    variant: ir.Variant
+    params: dict
+    layer_type: str
+    by_head: bool
+
+
 @dataclass
 class _Group:
     """One BatchAttention (a variant, a geometry, a layer type) and the key of its plan."""
@@ -174,9 +186,21 @@ class _Backend:
     def __init__(self, name: str, variant: VariantSpec, params: Mapping[str, Any] | None):
         self.name, self.variant, self.params = name, variant, params
         self.groups: dict[tuple, _Group] = {}
+        self.layers: dict[int, _Layer] = {}  # by id(module); the module is kept alive there
 
-    def group(self, key: tuple, requests: int, total_q: int, kv_indices: int) -> _Group:
-        """The group of `key` = (variant, layer type, heads, kv_heads, head_dim, dtype,
+    def layer(self, module: Any) -> _Layer:
+        """What a layer runs, worked out at its first call (a model's layers never change
+        variant between calls; the callback form is called once per layer)."""
+        layer = self.layers.get(id(module))
+        if layer is None or layer.module is not module:
+            variant, params = variant_for(self.variant, self.params, module)
+            layer = self.layers[id(module)] = _Layer(
+                module, variant, params, _layer_type(module), not _reads_numbering(variant))
+        return layer
+
+    def group(self, key: tuple, variant: ir.Variant, requests: int, total_q: int,
+              kv_indices: int) -> _Group:
+        """The group of `key` = (id(variant), layer type, heads, kv_heads, head_dim, dtype,
         device), its BatchAttention (re)built when a plan needs more than it holds."""
         group = self.groups.get(key)
         attn = None if group is None else group.attn
@@ -185,7 +209,7 @@ class _Backend:
                             or kv_indices > attn.max_kv_indices):
             # Capacities grow in powers of two, so a generation rebuilds a few times at most
             # (the kernels come from the compile cache).
-            variant, _, heads, kv_heads, head_dim, dtype, device = key
+            _, _, heads, kv_heads, head_dim, dtype, device = key
             have = (attn.bounds.max_batch_size, attn.bounds.max_total_q,
                     attn.max_kv_indices) if attn is not None else (64, 1024, 1 << 16)
             attn = al.BatchAttention(
@@ -282,16 +306,23 @@ def dense_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
             value = torch.empty_strided(key.shape, key.stride(), dtype=value.dtype,
                                         device=value.device).copy_(value)
         group = heads // kv_heads
-        unit_pages = key_pages(tuple(key.stride()), head_dim, batch, kv_heads)
+        strides = tuple(key.stride())
+
+        def unit_pages():
+            return key_pages(strides, head_dim, batch, kv_heads)
+
         q = (query.reshape(batch, kv_heads, group, q_len, head_dim).transpose(2, 3)
              .reshape(batch * kv_heads * q_len, group, head_dim))
-        num_pages = int(unit_pages.max()) + kv_len
+        # the last unit's first token, plus its kv_len tokens
+        num_pages = ((batch - 1) * strides[0] + (kv_heads - 1) * strides[1]) // head_dim + kv_len
         page = (num_pages, 1, 1, head_dim), (head_dim, head_dim, head_dim, 1)
         k_cache, v_cache = key.as_strided(*page), value.as_strided(*page)
         geometry = (group, 1)
         layout_key = tuple(key.stride())
     else:
-        unit_pages = (np.arange(batch, dtype=np.int64) * kv_len)[:, None]
+        def unit_pages():
+            return (np.arange(batch, dtype=np.int64) * kv_len)[:, None]
+
         q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
         k_cache = key.transpose(1, 2).reshape(batch * kv_len, 1, kv_heads, head_dim)
         v_cache = value.transpose(1, 2).reshape(batch * kv_len, 1, kv_heads, head_dim)
@@ -304,7 +335,7 @@ def dense_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
     def make_plan():
         host_mask = None if mask is None else mask.to("cpu", torch.bool).numpy()
-        return dense_plan(unit_pages, q_len, kv_len, host_mask)
+        return dense_plan(unit_pages(), q_len, kv_len, host_mask)
 
     return DenseInputs(q.contiguous(), k_cache, v_cache, *geometry, by_head, plan_key,
                        make_plan)
@@ -317,33 +348,33 @@ def attnlang_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     """transformers' attention-function signature: query [B, Hq, Sq, D], key/value
     [B, Hkv, Sk, D] -> (out [B, Sq, Hq, D], None)."""
     _check_call(module, query, key, dropout, kwargs)
-    variant, params = variant_for(_backend.variant, _backend.params, module)
+    layer = _backend.layer(module)
     if kwargs.get("cache") is not None:  # continuous batching: transformers' paged cache
-        return _paged_attention(module, query, key, value, scaling, variant, params,
-                                _backend, kwargs)
+        return _paged_attention(module, query, key, value, scaling, layer, _backend, kwargs)
     batch, _, q_len, head_dim = query.shape
     if value.dtype != query.dtype or key.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)
     mask = _key_mask(attention_mask, batch, key.shape[2])
-    inputs = dense_inputs(query, key, value, mask, by_head=not _reads_numbering(variant))
-    group_key = (variant, _layer_type(module), inputs.heads, inputs.kv_heads, head_dim,
+    inputs = dense_inputs(query, key, value, mask, by_head=layer.by_head)
+    # Variants by identity (hashing one walks its whole IR); _Layer keeps them alive.
+    group_key = (id(layer.variant), layer.layer_type, inputs.heads, inputs.kv_heads, head_dim,
                  query.dtype, query.device.index)
     group = _backend.groups.get(group_key)
     if group is None or group.plan_key != inputs.plan_key:
         plan = inputs.make_plan()
-        group = _backend.group(group_key, plan.num_requests, plan.total_q,
+        group = _backend.group(group_key, layer.variant, plan.num_requests, plan.total_q,
                                plan.kv_indices.shape[0])
         group.attn.plan(plan.qo_indptr, plan.kv_indptr, plan.kv_indices, plan.kv_last_page_len)
         group.plan_key = inputs.plan_key
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    out = group.attn.run(inputs.q, (inputs.k_cache, inputs.v_cache), params,
+    out = group.attn.run(inputs.q, (inputs.k_cache, inputs.v_cache), layer.params,
                          sm_scale=float(sm_scale))
     return inputs.output(out, batch, q_len), None
 
 
 def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
-                     value: torch.Tensor, scaling: float | None, variant: ir.Variant,
-                     params: dict, backend: _Backend, kwargs: Mapping[str, Any]):
+                     value: torch.Tensor, scaling: float | None, layer: _Layer,
+                     backend: _Backend, kwargs: Mapping[str, Any]):
     """Continuous batching (``generate_batch``): query [1, Hq, Ntok, D] holds the new tokens
     of every request, key/value [1, Hkv, Ntok, D] their new K/V; `cache` is transformers'
     PagedAttentionCache, whose layer tensors are [slots, Hkv, D], i.e. attnlang's paged
@@ -353,28 +384,27 @@ def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     window before overwriting it (new tokens may reuse slots earlier queries still read).
     Requests: cu_seq_lens_q / cu_seq_lens_k. Returns ([1, Ntok, Hq, D], None)."""
     cache = kwargs["cache"]
-    layer = module.layer_idx
-    group_idx, in_group = cache.layer_index_to_group_indices[layer]
+    layer_idx = module.layer_idx
+    group_idx, in_group = cache.layer_index_to_group_indices[layer_idx]
     read, write = kwargs["read_index"][group_idx], kwargs["write_index"][group_idx]
     cu_q, cu_k = kwargs["cu_seq_lens_q"], kwargs["cu_seq_lens_k"]
-    layer_type = _layer_type(module)
     if isinstance(cu_k, Mapping):
-        cu_k = cu_k[layer_type]
+        cu_k = cu_k[layer.layer_type]
     heads, head_dim = query.shape[1], query.shape[3]
     kv_heads = key.shape[1]
     new_k, new_v = (x[0].transpose(0, 1) for x in (key, value))  # [Ntok, Hkv, D]
-    in_place = cache.sliding_windows[layer] == 1 and read.numel() > 0
+    in_place = cache.sliding_windows[layer_idx] == 1 and read.numel() > 0
     if in_place:
         k_slots, v_slots = cache.key_cache[in_group], cache.value_cache[in_group]
         k_slots.index_copy_(0, write, new_k.to(k_slots.dtype))
         v_slots.index_copy_(0, write, new_v.to(v_slots.dtype))
     else:
-        k_slots, v_slots = cache.update(key_states=key, value_states=value, layer_idx=layer,
+        k_slots, v_slots = cache.update(key_states=key, value_states=value, layer_idx=layer_idx,
                                         read_index=kwargs["read_index"],
                                         write_index=kwargs["write_index"])
         k_slots, v_slots = k_slots.contiguous(), v_slots.contiguous()
-    group_key = (variant, layer_type + "|paged", heads, kv_heads, head_dim, query.dtype,
-                 query.device.index)
+    group_key = (id(layer.variant), layer.layer_type + "|paged", heads, kv_heads, head_dim,
+                 query.dtype, query.device.index)
     # The index tensors are persistent buffers rewritten in place each step: their version
     # counters tell a new step from another layer of the same one.
     plan_key = (in_place, tuple((t.data_ptr(), tuple(t.shape), t._version)
@@ -387,13 +417,14 @@ def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
         total_kv = int(kv_indptr[-1])
         kv_indices = (read[:total_kv].to("cpu", torch.int64).numpy() if in_place
                       else np.arange(total_kv, dtype=np.int64))
-        group = backend.group(group_key, len(kv_lens), int(qo_indptr[-1]), total_kv)
+        group = backend.group(group_key, layer.variant, len(kv_lens), int(qo_indptr[-1]),
+                              total_kv)
         group.attn.plan(qo_indptr, kv_indptr, kv_indices, (kv_lens > 0).astype(np.int32))
         group.plan_key = plan_key
     q = query[0].transpose(0, 1).contiguous()  # [Ntok, Hq, D]
     pages = (-1, 1, kv_heads, head_dim)
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    out = group.attn.run(q, (k_slots.view(pages), v_slots.view(pages)), params,
+    out = group.attn.run(q, (k_slots.view(pages), v_slots.view(pages)), layer.params,
                          sm_scale=float(sm_scale))
     return out.unsqueeze(0), None
 

@@ -1,19 +1,22 @@
 """transformers models running their attention through attnlang (GPU): random-weight models from
 configs (no downloads), bf16, compared with transformers' own eager attention.
 
-The reference is eager attention run on a float32 copy of the model: transformers' bf16 eager
-rounds its softmax probabilities to bf16 before P V, and on the Gemma-2 model below that alone
-changes the 5th greedy token (measured on the H100: bf16 eager diverges from float32 eager, while
-attnlang, which keeps P in float32 until the tensor-core product, matches float32 eager token for
-token and has the smaller logit error). So tokens are compared with float32 eager, and logits
-must be at least as close to it as bf16 eager's own.
+The reference is transformers' own eager attention computed in float32 (`eager_fp32` below:
+the same bf16 model, only the attention upcast). Greedy decoding of a random model meets
+near-ties that any rounding flips either way (seen on the H100: on the Gemma-2 model below, bf16
+and float32-attention eager take one side of a tie at the 12th token, attnlang and an
+all-float32 model the other; on the Llama model the 2nd token of one row is such a tie). So the
+greedy tokens are compared with the reference's up to its first position that bf16 precision
+cannot decide (a top-2 margin below 3x bf16 eager's own largest logit error), teacher-forced
+positions wherever decided, and the logits must be at least as close to the reference as bf16
+eager's own.
 
 Weights: untied embeddings and initializer_range 0.2, so greedy decoding produces varied tokens
 (with tied embeddings it repeats one token, and equal tokens would prove nothing); a negative
 control (Gemma-2 without its soft-cap) shows the comparisons can fail.
 """
 
-import copy
+import sys
 
 import pytest
 
@@ -55,6 +58,7 @@ def models():
     if not torch.cuda.is_available():
         pytest.skip("no CUDA GPU for torch")
     alt.register("attnlang")
+    _register_reference()
     # Negative control: Gemma-2's own layers, but without the soft-cap.
     no_cap = {t: attnlang.parse(alt.default_variant_source(_gemma2(), t).replace(
         "logits = softcap * tanh(logits / softcap)\n", ""))
@@ -88,45 +92,76 @@ def _logits(model, impl, ids):
         return model(ids).logits.float()
 
 
-def _float32(model):
-    exact = copy.deepcopy(model).float()
-    exact.set_attn_implementation("eager")
-    return exact
+def _eager_fp32(module, query, key, value, attention_mask, **kwargs):
+    """transformers' eager attention of this model, in float32 (the reference)."""
+    eager = sys.modules[type(module).__module__].eager_attention_forward
+    mask = None if attention_mask is None else attention_mask.float()
+    out, _ = eager(module, query.float(), key.float(), value.float(), mask, **kwargs)
+    return out.to(query.dtype), None
 
 
-def _agreement(model, impl, seq):
-    """Teacher-forced on the reference's sequence, against float32 eager logits: `impl`'s
-    argmax agreement and its error (mean |difference| over mean |logit|), and bf16 eager's
-    error (the bf16 tolerance)."""
-    eager, got = _logits(model, "eager", seq), _logits(model, impl, seq)
-    truth = _logits(_float32(model), "eager", seq)
+def _register_reference():
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    def error(x):
-        return ((x - truth).abs().mean() / truth.abs().mean()).item()
+    transformers.AttentionInterface.register("eager_fp32", _eager_fp32)
+    AttentionMaskInterface.register("eager_fp32", ALL_MASK_ATTENTION_FUNCTIONS["eager"])
 
-    agree = (truth.argmax(-1) == got.argmax(-1)).float().mean().item()
-    return agree, error(got), error(eager)
+
+class Comparison:
+    """`impl` against the reference (float32-attention eager), teacher-forced on the
+    reference's own greedy sequence `seq` ([B, prompt + new]):
+
+    - decided [B, new]: positions where the reference's top-2 logit margin exceeds 3x the
+      largest logit difference between bf16 eager and the reference (bf16's own rounding):
+      there the greedy token does not depend on the precision; elsewhere it is a tie;
+    - agree [B, new]: impl's argmax equals the reference's;
+    - err, eager_err: mean |logit difference| over mean |logit|, for impl and bf16 eager."""
+
+    def __init__(self, model, impl, seq, prompt_len):
+        truth = _logits(model, "eager_fp32", seq)[:, prompt_len - 1:-1]
+        eager = _logits(model, "eager", seq)[:, prompt_len - 1:-1]
+        got = _logits(model, impl, seq)[:, prompt_len - 1:-1]
+        top2 = truth.topk(2, dim=-1).values
+        tol = 3 * (eager - truth).abs().max()
+        self.decided = (top2[..., 0] - top2[..., 1]) > tol
+        self.agree = got.argmax(-1) == truth.argmax(-1)
+        scale = truth.abs().mean()
+        self.err = ((got - truth).abs().mean() / scale).item()
+        self.eager_err = ((eager - truth).abs().mean() / scale).item()
+
+    def first_tie(self, row: int) -> int:
+        """Index of the first generated position the reference cannot decide (or the end)."""
+        ties = (~self.decided[row]).nonzero()
+        return int(ties[0]) if ties.numel() else self.decided.shape[1]
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_greedy_tokens_and_logits_equal_eager(models, name):
+    """Greedy tokens equal the reference's up to its first precision tie (in each row), every
+    decided teacher-forced position agrees, and the logits are at least as close to the
+    reference as transformers' own bf16 eager."""
     model = models[name]
     ids = _prompts(2, PROMPT)
-    eager = _generate(_float32(model), "eager", ids)
-    assert eager.unique().numel() > NEW_TOKENS // 2, "degenerate model: tokens repeat"
-    assert torch.equal(_generate(model, "attnlang", ids), eager)
-    agree, err, eager_err = _agreement(model, "attnlang", torch.cat([ids, eager], 1))
-    assert agree >= 0.98 and err <= 1.5 * eager_err + 1e-3, (agree, err, eager_err)
+    want = _generate(model, "eager_fp32", ids)
+    assert want.unique().numel() > NEW_TOKENS // 2, "degenerate model: tokens repeat"
+    got = _generate(model, "attnlang", ids)
+    cmp = Comparison(model, "attnlang", torch.cat([ids, want], 1), PROMPT)
+    assert cmp.decided.float().mean() >= 0.8, "too many ties to compare"
+    for row in range(ids.shape[0]):
+        n = cmp.first_tie(row)
+        assert torch.equal(got[row, :n], want[row, :n]), (row, n, got[row], want[row])
+    assert cmp.agree[cmp.decided].all(), cmp.agree
+    assert cmp.err <= 1.5 * cmp.eager_err + 1e-3, (cmp.err, cmp.eager_err)
 
 
 def test_without_its_softcap_gemma2_disagrees(models):
     """The negative control: the same comparisons fail when the variant drops the soft-cap."""
     model = models["gemma2"]
     ids = _prompts(2, PROMPT)
-    eager = _generate(_float32(model), "eager", ids)
-    assert not torch.equal(_generate(model, "attnlang_nocap", ids), eager)
-    agree, err, eager_err = _agreement(model, "attnlang_nocap", torch.cat([ids, eager], 1))
-    assert agree < 0.98 and err > 1.5 * eager_err + 1e-3, (agree, err, eager_err)
+    want = _generate(model, "eager_fp32", ids)
+    cmp = Comparison(model, "attnlang_nocap", torch.cat([ids, want], 1), PROMPT)
+    assert not cmp.agree[cmp.decided].all()
+    assert cmp.err > 1.5 * cmp.eager_err + 1e-3, (cmp.err, cmp.eager_err)
 
 
 @pytest.mark.parametrize("name", MODELS)
