@@ -6,7 +6,9 @@ random weights (no download; the same seed for every backend, so the same model)
 
 - time to first token: generate(max_new_tokens=1), i.e. the prefill of 16 x 2048 tokens;
 - decode tokens/s: 16 x 127 tokens over (time of generate(128) - time to first token);
-- the first new tokens of request 0, compared with sdpa's (so a fast wrong backend shows).
+- the logits of the prefill's last position (all 16 requests), compared with sdpa's as a
+  relative L2 error, so a fast wrong backend shows (greedy tokens of a random 8B model are
+  near-ties that any rounding flips, so they are shown but prove little).
 
 Backends: attnlang (alt.register(): each layer's own causal attention), sdpa, flex_attention,
 eager; each runs in its own process (a backend that fails or runs past --max-seconds gets a
@@ -79,6 +81,9 @@ def worker(backend: str, args: argparse.Namespace) -> dict:
 
     generate(1)  # warm-up: kernels compiled, allocator primed
     _, out = generate(args.new_tokens)
+    with torch.no_grad():
+        logits = model(prompts, attention_mask=mask, logits_to_keep=1).logits[:, -1].float()
+    torch.save(logits.cpu(), f"/tmp/e2e_{backend}_logits.pt")
     ttft = statistics.median(generate(1)[0] for _ in range(args.reps))
     total = statistics.median(generate(args.new_tokens)[0] for _ in range(args.reps))
     decode_tokens = args.batch * (args.new_tokens - 1)
@@ -109,6 +114,7 @@ def main() -> None:
     for backend in args.backends.split(","):
         result = Path(f"/tmp/e2e_{backend}.json")
         result.unlink(missing_ok=True)
+        Path(f"/tmp/e2e_{backend}_logits.pt").unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--worker", backend, "--result", str(result),
                "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
         C.log(f"{backend}: running ({' '.join(cmd[2:])})")
@@ -125,6 +131,15 @@ def main() -> None:
 
     by_name = {r["backend"]: r for r in rows}
     ref = by_name.get("sdpa", {}).get("first_tokens")
+    ref_logits = Path("/tmp/e2e_sdpa_logits.pt")
+    if ref_logits.exists():
+        torch = C.torch_module()
+        want = torch.load(ref_logits)
+        for r in rows:
+            path = Path(f"/tmp/e2e_{r['backend']}_logits.pt")
+            if path.exists() and "ttft_ms" in r:
+                got = torch.load(path)
+                r["logits_err"] = f"{((got - want).norm() / want.norm()).item():.1e}"
     al = by_name.get("attnlang", {})
     for r in rows:
         if ref and r.get("first_tokens"):
@@ -144,7 +159,8 @@ def main() -> None:
     table = [{k: C.fmt(v) if isinstance(v, float) else v for k, v in r.items()} for r in rows]
     print(C.format_table(table, [("backend", "backend"), ("ttft_ms", "TTFT ms"),
                                  ("ttft_ms_x", "attnlang faster"), ("decode_tok_s", "decode tok/s"),
-                                 ("decode_tok_s_x", "attnlang faster"), ("agree", "tokens = sdpa"),
+                                 ("decode_tok_s_x", "attnlang faster"),
+                                 ("logits_err", "logits vs sdpa"), ("agree", "tokens = sdpa"),
                                  ("note", "note")],
                          title=f"\nLlama-3-8B-shaped, random weights: {shape}"))
 

@@ -7,7 +7,7 @@ near-ties that any rounding flips either way (seen on the H100: on the Gemma-2 m
 and float32-attention eager take one side of a tie at the 12th token, attnlang and an
 all-float32 model the other; on the Llama model the 2nd token of one row is such a tie). So the
 greedy tokens are compared with the reference's up to its first position that bf16 precision
-cannot decide (a top-2 margin below 3x bf16 eager's own largest logit error), teacher-forced
+cannot decide (a top-2 margin below 4x bf16 eager's own mean logit error there), teacher-forced
 positions wherever decided, and the logits must be at least as close to the reference as bf16
 eager's own.
 
@@ -111,9 +111,10 @@ class Comparison:
     """`impl` against the reference (float32-attention eager), teacher-forced on the
     reference's own greedy sequence `seq` ([B, prompt + new]):
 
-    - decided [B, new]: positions where the reference's top-2 logit margin exceeds 3x the
-      largest logit difference between bf16 eager and the reference (bf16's own rounding):
-      there the greedy token does not depend on the precision; elsewhere it is a tie;
+    - decided [B, new]: positions where the reference's top-2 logit margin exceeds 4x the
+      mean logit difference between bf16 eager and the reference at that position (bf16's
+      own rounding): there the greedy token does not depend on the precision; elsewhere
+      it is a tie;
     - agree [B, new]: impl's argmax equals the reference's;
     - err, eager_err: mean |logit difference| over mean |logit|, for impl and bf16 eager."""
 
@@ -122,7 +123,7 @@ class Comparison:
         eager = _logits(model, "eager", seq)[:, prompt_len - 1:-1]
         got = _logits(model, impl, seq)[:, prompt_len - 1:-1]
         top2 = truth.topk(2, dim=-1).values
-        tol = 3 * (eager - truth).abs().max()
+        tol = 4 * (eager - truth).abs().mean(-1)
         self.decided = (top2[..., 0] - top2[..., 1]) > tol
         self.agree = got.argmax(-1) == truth.argmax(-1)
         scale = truth.abs().mean()
@@ -146,10 +147,13 @@ def test_greedy_tokens_and_logits_equal_eager(models, name):
     assert want.unique().numel() > NEW_TOKENS // 2, "degenerate model: tokens repeat"
     got = _generate(model, "attnlang", ids)
     cmp = Comparison(model, "attnlang", torch.cat([ids, want], 1), PROMPT)
-    assert cmp.decided.float().mean() >= 0.8, "too many ties to compare"
+    assert cmp.decided.float().mean() >= 0.5, ("too many ties to compare", cmp.decided)
+    compared = 0
     for row in range(ids.shape[0]):
         n = cmp.first_tie(row)
         assert torch.equal(got[row, :n], want[row, :n]), (row, n, got[row], want[row])
+        compared += n
+    assert compared >= NEW_TOKENS // 2, ("too few tokens before the first tie", cmp.decided)
     assert cmp.agree[cmp.decided].all(), cmp.agree
     assert cmp.err <= 1.5 * cmp.eager_err + 1e-3, (cmp.err, cmp.eager_err)
 
