@@ -106,13 +106,17 @@ def format_error(e: AttnError) -> str:
         return head + (f"\nhint: {e.hint}" if e.hint else "")
     lines = [f"{e.span}: error: {e.message}"]
     if e.source is not None:
-        src_lines = e.source.splitlines()
+        # Lines end at "\n" only, as the lexer counts them (splitlines would also split at
+        # \f, \v or U+2028 and show the wrong line).
+        src_lines = e.source.split("\n")
         if 1 <= e.span.line <= len(src_lines):
-            text = src_lines[e.span.line - 1].rstrip("\n")
+            text = src_lines[e.span.line - 1].rstrip("\r")
             end = e.span.end_col if e.span.end_line == e.span.line else len(text) + 1
             width = max(1, min(end, len(text) + 1) - e.span.col)
+            # Tabs stay tabs under the caret, so it lines up however a terminal expands them.
+            pad = "".join(c if c == "\t" else " " for c in text[:e.span.col - 1])
             lines.append(f"  {text}")
-            lines.append("  " + " " * (e.span.col - 1) + "^" * width)
+            lines.append("  " + pad + "^" * width)
     if e.hint:
         lines.append(f"hint: {e.hint}")
     return "\n".join(lines)

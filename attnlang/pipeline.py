@@ -16,9 +16,10 @@ import os
 
 from attnlang import ir
 from attnlang.codegen.check import check
+from attnlang.errors import AttnSyntaxError, Span
 from attnlang.grammar.parser import parse_ast
 
-__all__ = ["parse", "load", "generate_source"]
+__all__ = ["parse", "load", "decode_source", "generate_source"]
 
 
 def parse(text: str, filename: str = "<string>") -> ir.Variant:
@@ -33,9 +34,28 @@ def parse(text: str, filename: str = "<string>") -> ir.Variant:
 def load(path: str | os.PathLike) -> ir.Variant:
     """Read, parse and check an .attn file."""
     path = os.fspath(path)
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    return parse(text, filename=path)
+    with open(path, "rb") as f:
+        data = f.read()
+    return parse(decode_source(data, path), filename=path)
+
+
+def decode_source(data: bytes, filename: str) -> str:
+    """The UTF-8 text of an .attn file; AttnSyntaxError at the first byte that is not UTF-8.
+
+    >>> decode_source(b"variant a", "a.attn")
+    'variant a'
+    """
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        before = data[:e.start].decode("utf-8", errors="replace")
+        line = before.count("\n") + 1
+        col = len(before) - (before.rfind("\n") + 1) + 1
+        shown = data.decode("utf-8", errors="replace")
+        raise AttnSyntaxError(
+            f"the file is not UTF-8 text (byte 0x{data[e.start]:02x})",
+            Span(filename, line, col, line, col + 1),
+            "save it as UTF-8; .attn files are plain text", shown) from None
 
 
 def generate_source(variant: ir.Variant, kind: str, dtype: str, head_dim: int,

@@ -11,6 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from attnlang import ir
 from attnlang.errors import (
     AttnDeclarationError,
@@ -166,6 +168,11 @@ class _Checker:
                            f"default of int param '{d.name}' must be an integer, found "
                            f"{d.default.value!r}", d.default.span)
                 return
+            problem = out_of_range(d.default.value, ty)
+            if problem:
+                self.error(AttnTypeError, f"default of param '{d.name}' {problem} (it is "
+                           f"{_show(d.default.value)})", d.default.span, _RANGE_HINT[ty])
+                return
             default = float(d.default.value) if ty is FLOAT else int(d.default.value)
         if ok:
             self.params[d.name] = ir.ParamSpec(d.name, ty, d.extent, default, d.span)
@@ -212,7 +219,7 @@ class _Checker:
         if e.type is ty:
             return e
         if ty is FLOAT and e.type is INT:
-            return fold(ir.Cast(e, FLOAT, span))
+            return self.fold(ir.Cast(e, FLOAT, span))
         hint = {
             BOOL: "a mask is a condition such as 'q_pos - kv_pos < 128'",
             FLOAT: "use where(cond, 1.0, 0.0) to turn a condition into a number",
@@ -227,7 +234,21 @@ class _Checker:
         return method(node, stage)
 
     def expr_Number(self, n: ast.Number, stage):
+        problem = out_of_range(n.value, INT if n.is_int else FLOAT)
+        if problem:
+            shown = ("overflows to infinity" if n.value == math.inf
+                     else f"{_show(n.value)} {problem}")
+            self.fail(AttnTypeError, f"the literal {shown}", n.span,
+                      _RANGE_HINT[INT if n.is_int else FLOAT])
         return ir.Const(n.value, INT if n.is_int else FLOAT, n.span)
+
+    def fold(self, e: ir.Expr) -> ir.Expr:
+        """`fold`, with a constant that leaves int32 / finite float32 reported at e."""
+        try:
+            return fold(e)
+        except ConstRangeError as err:
+            self.fail(AttnTypeError, f"this constant expression {err.problem}", e.span,
+                      _RANGE_HINT.get(e.type))
 
     def expr_Boolean(self, n: ast.Boolean, stage):
         return ir.Const(n.value, BOOL, n.span)
@@ -308,9 +329,9 @@ class _Checker:
         x = self.expr(n.x, stage)
         if n.op == "not":
             self.need(x, BOOL, n.x.span, "'not'")
-            return fold(ir.Unary("not", x, BOOL, n.span))
+            return self.fold(ir.Unary("not", x, BOOL, n.span))
         self.need_number(x, n.x.span, "unary '-'")
-        return fold(ir.Unary("-", x, x.type, n.span))
+        return self.fold(ir.Unary("-", x, x.type, n.span))
 
     def expr_BinOp(self, n: ast.BinOp, stage):
         a = self.expr(n.a, stage)
@@ -319,21 +340,21 @@ class _Checker:
         if op in ("and", "or"):
             self.need(a, BOOL, n.a.span, f"'{op}'")
             self.need(b, BOOL, n.b.span, f"'{op}'")
-            return fold(ir.Binary(op, a, b, BOOL, n.span))
+            return self.fold(ir.Binary(op, a, b, BOOL, n.span))
         if op in ("==", "!=") and a.type is BOOL and b.type is BOOL:
-            return fold(ir.Binary(op, a, b, BOOL, n.span))
+            return self.fold(ir.Binary(op, a, b, BOOL, n.span))
         self.need_number(a, n.a.span, f"'{op}'")
         self.need_number(b, n.b.span, f"'{op}'")
         if op == "**":
             a, b = self.to_float(a, n.a.span), self.to_float(b, n.b.span)
-            return fold(ir.Binary(op, a, b, FLOAT, n.span))
+            return self.fold(ir.Binary(op, a, b, FLOAT, n.span))
         if a.type is not b.type:
             a, b = self.to_float(a, n.a.span), self.to_float(b, n.b.span)
         ty = BOOL if op in ("<", "<=", ">", ">=", "==", "!=") else a.type
         if op in ("/", "%") and isinstance(b, ir.Const) and b.type is INT and b.value == 0:
             self.fail(AttnTypeError, f"integer {'division' if op == '/' else 'modulo'} by zero",
                       n.b.span)
-        return fold(ir.Binary(op, a, b, ty, n.span))
+        return self.fold(ir.Binary(op, a, b, ty, n.span))
 
     def expr_Keyword(self, n: ast.Keyword, stage):  # only reachable from a misplaced kwarg
         self.fail(AttnTypeError, f"unexpected keyword argument '{n.name}'", n.span)
@@ -368,13 +389,13 @@ class _Checker:
                           f"{a.type} and {b.type}", n.span)
             if a.type is not b.type:
                 a, b = self.to_float(a, spans[1]), self.to_float(b, spans[2])
-            return fold(ir.Call("where", (args[0], a, b), a.type, n.span))
+            return self.fold(ir.Call("where", (args[0], a, b), a.type, n.span))
         for a, s in zip(args, spans, strict=True):
             self.need_number(a, s, f"{f}()")
         if f in _INT_KEEPING and all(a.type is INT for a in args):
-            return fold(ir.Call(f, tuple(args), INT, n.span))
+            return self.fold(ir.Call(f, tuple(args), INT, n.span))
         args = [self.to_float(a, s) for a, s in zip(args, spans, strict=True)]
-        return fold(ir.Call(f, tuple(args), FLOAT, n.span))
+        return self.fold(ir.Call(f, tuple(args), FLOAT, n.span))
 
     def vector_stage_only(self, n: ast.Call, stage):
         if stage not in ir.VECTOR_STAGES:
@@ -434,7 +455,7 @@ class _Checker:
                       "use where(cond, 1.0, 0.0) to turn a condition into a number")
 
     def to_float(self, e: ir.Expr, span: Span) -> ir.Expr:
-        return fold(ir.Cast(e, FLOAT, span)) if e.type is INT else e
+        return self.fold(ir.Cast(e, FLOAT, span)) if e.type is INT else e
 
 
 # ---- constant folding ----------------------------------------------------------------------
@@ -474,16 +495,60 @@ _FOLD_CALL = {
 }
 
 
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+_FLT_MAX = float(np.finfo(np.float32).max)
+_RANGE_HINT = {
+    INT: "ints are 32-bit: from -2147483648 to 2147483647",
+    FLOAT: "floats are 32-bit: finite, of magnitude at most 3.4028235e38",
+    BOOL: None,
+}
+
+
+class ConstRangeError(ValueError):
+    """A constant (literal or folded) outside its type's range; `problem` says how."""
+
+    def __init__(self, problem: str):
+        super().__init__(problem)
+        self.problem = problem
+
+
+def out_of_range(value, ty: Type) -> str | None:
+    """Why `value` cannot be a constant of type ty (None if it can): ints are int32, floats
+    finite float32 (a decimal that rounds to float32's largest finite value is fine).
+
+    >>> out_of_range(2**31, INT)
+    'does not fit in a 32-bit int'
+    """
+    if isinstance(value, complex):
+        return "is not a real number"
+    if ty is INT and not _INT32_MIN <= int(value) <= _INT32_MAX:
+        return "does not fit in a 32-bit int"
+    if ty is FLOAT:
+        v = float(value)
+        if math.isnan(v):
+            return "is not a number (NaN)"
+        with np.errstate(over="ignore"):
+            if not np.isfinite(np.float32(v)):
+                return "is not a finite 32-bit float"
+    return None
+
+
+def _show(value) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:10]}...{text[-6:]} ({len(text)} digits)"
+
+
 def fold(e: ir.Expr) -> ir.Expr:
     """Evaluate e if all its operands are constants (C semantics for int / and %).
 
-    Leaves e unchanged when an operand is not constant or the value is not finite (the
-    kernel then computes it, with the same result as the reference).
+    Leaves e unchanged when an operand is not constant. Raises ConstRangeError when the
+    value would leave int32 / finite float32 or is undefined (division by zero, a domain
+    error, a complex power): the kernel would compute inf, nan or garbage there.
     """
     if isinstance(e, ir.Cast) and isinstance(e.x, ir.Const):
         return ir.Const(float(e.x.value), FLOAT, e.span)
     if isinstance(e, ir.Unary) and isinstance(e.x, ir.Const):
-        return ir.Const(not e.x.value if e.op == "not" else -e.x.value, e.type, e.span)
+        return _const(not e.x.value if e.op == "not" else -e.x.value, e)
     if isinstance(e, ir.Binary) and isinstance(e.a, ir.Const) and isinstance(e.b, ir.Const):
         a, b = e.a.value, e.b.value
         try:
@@ -494,23 +559,30 @@ def fold(e: ir.Expr) -> ir.Expr:
                     value = a / b if e.op == "/" else math.fmod(a, b)
             else:
                 value = _FOLD_BINARY[e.op](a, b)
-        except (ZeroDivisionError, OverflowError, ValueError):
-            return e
+        except ZeroDivisionError:
+            raise ConstRangeError("divides by zero") from None
+        except (OverflowError, ValueError):
+            raise ConstRangeError("has no finite value") from None
         return _const(value, e)
     if isinstance(e, ir.Call) and all(isinstance(a, ir.Const) for a in e.args):
         try:
             value = _FOLD_CALL[e.fn](*(a.value for a in e.args))
-        except (ZeroDivisionError, OverflowError, ValueError):
-            return e
+        except ZeroDivisionError:
+            raise ConstRangeError("divides by zero") from None
+        except (OverflowError, ValueError):
+            raise ConstRangeError(f"has no finite value ({e.fn} of "
+                                  f"{', '.join(_show(a.value) for a in e.args)})") from None
         return _const(value, e)
     return e
 
 
 def _const(value, e: ir.Expr) -> ir.Expr:
+    problem = out_of_range(value, e.type)
+    if problem:
+        raise ConstRangeError(problem if isinstance(value, complex)
+                              else f"{problem} (it is {_show(value)})")
     if e.type is FLOAT:
         value = float(value)
-        if not math.isfinite(value):
-            return e
     elif e.type is INT:
         value = int(value)
     else:

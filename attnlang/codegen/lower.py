@@ -46,6 +46,9 @@ LINE_RESET = "// attnlang: #line reset"
 _CTYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
 _TENSOR_CTYPE = {INT: "const int*", FLOAT: "const float*"}
 _FLT_MAX = 3.4028234663852886e38
+# The largest decimal that still rounds to a finite float32 (the checker's rule): half an ulp
+# of FLT_MAX above it rounds down to it.
+_FLT_MAX_DECIMAL = 3.4028235677973362e38
 _INT32 = (-(2**31), 2**31 - 1)
 
 # ------------------------------------------------------------------------------ the tables
@@ -123,16 +126,6 @@ _VARS = {
 _EXTENT_INDEX_C = {"head": "ix.head", "kv_head": "ix.kv_head", "batch": "ix.batch",
                    "dim": "dim"}
 
-_CPP_KEYWORDS = frozenset("""
-    alignas alignof asm auto bool break case catch char char8_t char16_t char32_t class
-    concept const consteval constexpr constinit const_cast continue co_await co_return
-    co_yield decltype default delete do double dynamic_cast else enum explicit export
-    extern false float for friend goto if inline int long mutable namespace new noexcept
-    nullptr operator private protected public register reinterpret_cast requires return
-    short signed sizeof static static_assert static_cast struct switch template this
-    thread_local throw true try typedef typeid typename union unsigned using virtual void
-    volatile wchar_t while and and_eq bitand bitor compl not not_eq or or_eq xor xor_eq
-    """.split())
 
 
 # ------------------------------------------------------------------------------ the artifact
@@ -229,7 +222,7 @@ class Hooks:
 
 def _float_literal(value: float) -> str:
     v = float(value)
-    if not math.isfinite(v) or abs(v) > _FLT_MAX:
+    if not math.isfinite(v) or abs(v) > _FLT_MAX_DECIMAL:
         raise ValueError(f"float constant {value!r} is not a finite float32")
     text = repr(abs(v))  # shortest round-trip text: '1e-06', '50.0', '1e+20'
     if "e" not in text and "." not in text:
@@ -258,8 +251,15 @@ def _c_string(s: str) -> str:
 
 
 def member_name(param: str) -> str:
-    """The Params member for a param: its own name unless that is a C++ keyword."""
-    return param + "_" if param in _CPP_KEYWORDS else param
+    """The Params member for a param: its name behind a prefix, so that no user name can
+    collide with a C++ keyword, a CUDA or NVRTC macro (``__shared__``, ``NULL``,
+    ``__CUDA_ARCH__``) or one of attnlang's own (``ATTNLANG_HD``). Kernel arguments carry
+    the prefix ``param_`` for the same reason.
+
+    >>> member_name("cap"), member_name("__shared__")
+    ('u_cap', 'u___shared__')
+    """
+    return "u_" + param
 
 
 # ------------------------------------------------------------------------------ expressions

@@ -10,9 +10,15 @@ import functools
 
 import lark
 from lark import Token, Transformer, v_args
-from lark.exceptions import UnexpectedCharacters, UnexpectedEOF, UnexpectedInput, UnexpectedToken
+from lark.exceptions import (
+    UnexpectedCharacters,
+    UnexpectedEOF,
+    UnexpectedInput,
+    UnexpectedToken,
+    VisitError,
+)
 
-from attnlang.errors import AttnSyntaxError, Span
+from attnlang.errors import AttnError, AttnSyntaxError, Span
 from attnlang.grammar import ast
 from attnlang.paths import grammar_file
 
@@ -33,6 +39,9 @@ _TERMINAL_WORDS = {
     "TRUE": "'true'",
     "FALSE": "'false'",
     "WHERE": "'where'",
+    "_VARIANT": "'variant'",
+    "_PARAM": "'param'",
+    "_CONST": "'const'",
     "SOFTMAX": "'softmax'",
     "ON": "'on'",
     "OFF": "'off'",
@@ -62,7 +71,37 @@ def parse_ast(text: str, filename: str = "<string>") -> ast.Module:
         tree = _lark().parse(text)
     except UnexpectedInput as e:
         raise _syntax_error(e, text, filename) from None
-    return _ToAst(filename).transform(tree)
+    _check_nesting(tree, text, filename)
+    try:
+        return _ToAst(filename).transform(tree)
+    except VisitError as e:  # an AttnError raised while building the AST
+        if isinstance(e.orig_exc, AttnError):
+            err = e.orig_exc
+            err.source = err.source if err.source is not None else text
+            raise err from None
+        raise
+
+
+# Deepest expression tree accepted (LANGUAGE.md section "Limits"). Every later pass walks
+# expressions recursively, a few Python frames per level: this keeps them all far inside
+# Python's recursion limit. A chain `a + b + c ...` is one level per operator.
+MAX_NESTING = 128
+
+
+def _check_nesting(tree: lark.Tree, text: str, filename: str) -> None:
+    """Raise AttnSyntaxError at the first node nested deeper than MAX_NESTING (iterative)."""
+    stack = [(tree, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_NESTING:
+            meta = node.meta
+            span = Span(filename, meta.line, meta.column, meta.end_line, meta.end_column) \
+                if not meta.empty else None
+            raise AttnSyntaxError(
+                f"expression nested too deeply (more than {MAX_NESTING} levels of operators, "
+                "calls and parentheses)", span,
+                "split it into consts, or into simpler sub-expressions", text)
+        stack.extend((c, depth + 1) for c in node.children if isinstance(c, lark.Tree))
 
 
 def _describe_expected(expected: set[str]) -> str:
@@ -88,13 +127,19 @@ def _describe_expected(expected: set[str]) -> str:
 def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> AttnSyntaxError:
     line, col = getattr(e, "line", 1) or 1, getattr(e, "column", 1) or 1
     width = 1
-    if isinstance(e, UnexpectedToken) and e.token.type != "$END":
+    missing = _missing_right_hand_side(e, text)
+    if missing is not None:
+        line, col = missing
+        message = "expected an expression after '=', found the end of the line"
+        hint = "the right-hand side is missing"
+    elif isinstance(e, UnexpectedToken) and e.token.type != "$END":
         found = f"'{e.token.value}'"
         width = max(1, len(str(e.token.value)))
         message = f"expected {_describe_expected(e.expected)}, found {found}"
         hint = _hint_for(e)
     elif isinstance(e, (UnexpectedEOF, UnexpectedToken)):
-        lines = text.splitlines() or [""]
+        # Just after the last token: the line a missing right-hand side belongs to.
+        lines = text.rstrip().split("\n")
         line, col = len(lines), len(lines[-1]) + 1
         expected = getattr(e, "expected", None) or set()
         message = "unexpected end of file" + (
@@ -109,6 +154,22 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> AttnSyntaxErr
         message, hint = str(e).splitlines()[0], None
     span = Span(filename, line, col, line, col + width)
     return AttnSyntaxError(message, span, hint, text)
+
+
+def _missing_right_hand_side(e: UnexpectedInput, text: str) -> tuple[int, int] | None:
+    """(line, col) just after a trailing '=' when `e` comes from the statement below it:
+    ``logits =`` then ``mask = causal`` parses as ``logits = mask`` and fails at the second
+    '=', one line too late."""
+    if not isinstance(e, UnexpectedToken) or e.token.value != "=":
+        return None
+    lines = text.split("\n")
+    for prev in range(e.line - 2, -1, -1):  # the last non-blank line above the error
+        stripped = lines[prev].split("#", 1)[0].rstrip()
+        if stripped:
+            if stripped.endswith("=") and not stripped.endswith(("==", "<=", ">=", "!=")):
+                return prev + 1, len(stripped) + 1
+            return None
+    return None
 
 
 def _hint_for(e: UnexpectedToken) -> str | None:
@@ -195,6 +256,11 @@ class _ToAst(Transformer):
 
     def _number(self, tok: Token) -> ast.Number:
         text = str(tok)
+        if len(text) > 64:  # beyond any int32 / float32 (and Python's int parsing limit)
+            raise AttnSyntaxError(f"number literal {text[:12]}...{text[-4:]} is too long "
+                                  f"({len(text)} characters)", self._tspan(tok),
+                                  "ints are 32-bit and floats 32-bit: at most 64 characters "
+                                  "reach no further", None)
         if any(c in text for c in ".eE"):
             return ast.Number(float(text), False, self._tspan(tok))
         return ast.Number(int(text), True, self._tspan(tok))

@@ -184,6 +184,7 @@ class BatchAttention:
 
         from attnlang.codegen.config import launch_config
 
+        _require_gpu(cupy)
         self.device = cupy.cuda.Device(device).id if device is None else int(device)
         if isinstance(variant_or_module, KernelModule):
             self.module = variant_or_module
@@ -532,6 +533,20 @@ class BatchAttention:
             per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
                 fn.ptr, int(threads), int(cfg.smem_bytes))
         return self._num_sms() * max(1, min(int(per_sm), _MAX_CTAS_PER_SM))
+
+
+def _require_gpu(cupy) -> None:
+    """A clear error where CUDA has no device to offer (CUDA's own reads "CUDA driver version
+    is insufficient for CUDA runtime version" on a machine without a GPU driver)."""
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as e:
+        raise RuntimeError(
+            f"no CUDA GPU found ({e}): BatchAttention runs kernels and needs one. Without a "
+            "GPU, attnlang.compile(...) / `attnlang compile` still build the kernels, and "
+            "attnlang.reference computes the same attention in NumPy") from None
+    if count == 0:
+        raise RuntimeError("no CUDA GPU found: BatchAttention runs kernels and needs one")
 
 
 def _block3(block) -> tuple[int, int, int]:

@@ -300,6 +300,12 @@ def _check_arch(arch: str, origin: str) -> str:
             f"{origin} {arch!r}: the '{suffix}' suffix needs compute capability "
             f"{'9.0' if suffix == 'a' else '10.0'} or newer; use 'sm_{cc}'"
         )
+    if cc < 80:
+        # The kernels use bf16 tensor-core mma and cp.async, which start with Ampere.
+        raise ValueError(
+            f"{origin} {arch!r}: attnlang's kernels need compute capability 8.0 or newer "
+            "(bf16 tensor cores, cp.async): use sm_80 (A100), sm_86/sm_89 (RTX 30/40) or "
+            "sm_90a (H100)")
     return arch
 
 

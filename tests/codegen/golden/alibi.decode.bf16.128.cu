@@ -682,7 +682,7 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  const float* slopes;  // param slopes: float[heads]
+  const float* u_slopes;  // param slopes: float[heads]
 };
 
 inline constexpr bool kHasQuery = false;
@@ -704,7 +704,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 7 "examples/alibi.attn"
-  return (s - (__ldg(p.slopes + ix.head) * ((float)((ix.q_pos - ix.kv_pos)))));
+  return (s - (__ldg(p.u_slopes + ix.head) * ((float)((ix.q_pos - ix.kv_pos)))));
 }
 #line 710 "alibi_decode.cu"
 

@@ -682,7 +682,7 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  float bias;  // param bias: float
+  float u_bias;  // param bias: float
 };
 
 inline constexpr bool kHasQuery = false;
@@ -704,7 +704,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 9 "examples/flash_sigmoid.attn"
-  return attnlang::sigmoid((s + p.bias));
+  return attnlang::sigmoid((s + p.u_bias));
 }
 #line 710 "flash_sigmoid_decode.cu"
 

@@ -682,7 +682,7 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  float cap;  // param cap: float
+  float u_cap;  // param cap: float
 };
 
 inline constexpr bool kHasQuery = false;
@@ -704,7 +704,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 8 "examples/gemma2_local.attn"
-  return (p.cap * attnlang::tanh_approx((s * (1.0f / p.cap))));
+  return (p.u_cap * attnlang::tanh_approx((s * (1.0f / p.u_cap))));
 }
 #line 710 "gemma2_local_decode.cu"
 

@@ -682,9 +682,9 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  const float* kvw;  // param kvw: float[kv_heads]
-  const float* gate;  // param gate: float[heads]
-  int shift;  // param shift: int
+  const float* u_kvw;  // param kvw: float[kv_heads]
+  const float* u_gate;  // param gate: float[heads]
+  int u_shift;  // param shift: int
 };
 
 inline constexpr bool kHasQuery = true;
@@ -748,7 +748,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
 #line 15 "tests/variants/kitchen_sink.attn"
-    x[i] = ((((x[i] * __ldg(p.kvw + ix.kv_head)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
+    x[i] = ((((x[i] * __ldg(p.u_kvw + ix.kv_head)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
 #line 755 "kitchen_sink_decode.cu"
@@ -761,7 +761,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
-  return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.shift) - 1))) || (ix.kv_pos == 0));
+  return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
 #line 767 "kitchen_sink_decode.cu"
 
@@ -783,7 +783,7 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
   for (int i = 0; i < VEC; ++i) {
     const int dim = dim0 + i;  // this element's index in the head vector
 #line 16 "tests/variants/kitchen_sink.attn"
-    x[i] = ((x[i] * attnlang::sigmoid(__ldg(p.gate + ix.head))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
+    x[i] = ((x[i] * attnlang::sigmoid(__ldg(p.u_gate + ix.head))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
 #line 790 "kitchen_sink_decode.cu"
@@ -791,7 +791,7 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
-  return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
+  return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
 #line 797 "kitchen_sink_decode.cu"
 

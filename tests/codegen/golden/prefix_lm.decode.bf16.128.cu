@@ -682,7 +682,7 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  const int* prefix;  // param prefix: int[batch]
+  const int* u_prefix;  // param prefix: int[batch]
 };
 
 inline constexpr bool kHasQuery = false;
@@ -706,7 +706,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/prefix_lm.attn"
-  return ((ix.kv_pos < __ldg(p.prefix + ix.batch)) || (ix.kv_pos <= ix.q_pos));
+  return ((ix.kv_pos < __ldg(p.u_prefix + ix.batch)) || (ix.kv_pos <= ix.q_pos));
 }
 #line 712 "prefix_lm_decode.cu"
 
@@ -716,7 +716,7 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 8 "examples/prefix_lm.attn"
-  return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(p.prefix[ix.batch])), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
+  return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(p.u_prefix[ix.batch])), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
 #line 722 "prefix_lm_decode.cu"
 

@@ -682,8 +682,8 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  const float* wq;  // param wq: float[dim]
-  const float* wk;  // param wk: float[dim]
+  const float* u_wq;  // param wq: float[dim]
+  const float* u_wk;  // param wk: float[dim]
 };
 
 inline constexpr bool kHasQuery = true;
@@ -715,7 +715,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     for (int i = 0; i < VEC; ++i) {
       const int dim = dim0 + i;  // this element's index in the head vector
 #line 9 "examples/qk_norm.attn"
-      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * __ldg(p.wq + dim));
+      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * __ldg(p.u_wq + dim));
     }
 #line 9 "examples/qk_norm.attn"
     attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.q_pos, 1000000.0f);
@@ -749,7 +749,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     for (int i = 0; i < VEC; ++i) {
       const int dim = dim0 + i;  // this element's index in the head vector
 #line 10 "examples/qk_norm.attn"
-      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * __ldg(p.wk + dim));
+      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * __ldg(p.u_wk + dim));
     }
 #line 10 "examples/qk_norm.attn"
     attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.kv_pos, 1000000.0f);

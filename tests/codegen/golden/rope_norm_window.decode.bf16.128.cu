@@ -682,8 +682,8 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  const int* offset;  // param offset: int[batch]
-  float scale;  // param scale: float
+  const int* u_offset;  // param offset: int[batch]
+  float u_scale;  // param scale: float
 };
 
 inline constexpr bool kHasQuery = true;
@@ -717,7 +717,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
       t[i] = (x[i] / sqrtf((red0 + 1e-05f)));
     }
 #line 10 "tests/variants/rope_norm_window.attn"
-    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, (ix.q_pos + __ldg(p.offset + ix.batch)), 500.0f);
+    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, (ix.q_pos + __ldg(p.u_offset + ix.batch)), 500.0f);
   }
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
@@ -750,7 +750,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
       t[i] = (x[i] - red0);
     }
 #line 11 "tests/variants/rope_norm_window.attn"
-    attnlang::rope_interleaved<VEC, TX>(rope0, t, dim0, (ix.kv_pos + __ldg(p.offset + ix.batch)), 10000.0f);
+    attnlang::rope_interleaved<VEC, TX>(rope0, t, dim0, (ix.kv_pos + __ldg(p.u_offset + ix.batch)), 10000.0f);
   }
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
@@ -765,7 +765,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 12 "tests/variants/rope_norm_window.attn"
-  return ((p.scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
+  return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
 #line 771 "rope_norm_window_decode.cu"
 

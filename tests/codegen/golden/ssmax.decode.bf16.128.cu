@@ -682,7 +682,7 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  float s;  // param s: float
+  float u_s;  // param s: float
 };
 
 inline constexpr bool kHasQuery = false;
@@ -704,7 +704,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 8 "examples/ssmax.attn"
-  return ((p.s * __logf(((float)((ix.q_pos + 1))))) * s);
+  return ((p.u_s * __logf(((float)((ix.q_pos + 1))))) * s);
 }
 #line 710 "ssmax_decode.cu"
 

@@ -682,7 +682,7 @@ using ::attnlang::Index;
 using ::attnlang::kHeadDim;
 
 struct Params {
-  float theta;  // param theta: float
+  float u_theta;  // param theta: float
 };
 
 inline constexpr bool kHasQuery = true;
@@ -705,7 +705,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
       t[i] = x[i];
     }
 #line 11 "examples/streaming_llm.attn"
-    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.q_pos, p.theta);
+    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.q_pos, p.u_theta);
   }
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
@@ -727,7 +727,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
       t[i] = x[i];
     }
 #line 12 "examples/streaming_llm.attn"
-    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.kv_pos, p.theta);
+    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.kv_pos, p.u_theta);
   }
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
