@@ -64,7 +64,10 @@ def check(file):
               help="Kernel kind to show (decode, merge, ...).")
 @click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True)
 @click.option("--head-dim", type=click.Choice(HEAD_DIMS), default="128", show_default=True)
-def show(file, kind, dtype, head_dim):
+@click.option("--arch", default=None,
+              help="Target, e.g. sm_90a (its prefill kernel takes the wgmma path); default: the "
+                   "path every sm_80+ target runs.")
+def show(file, kind, dtype, head_dim, arch):
     """Print the generated CUDA source of one kernel of FILE."""
     from attnlang.pipeline import generate_source
 
@@ -72,7 +75,14 @@ def show(file, kind, dtype, head_dim):
     if kind not in _kinds():
         raise click.BadParameter(f"unknown kernel '{kind}'; kernels are: {', '.join(_kinds())}",
                                  param_hint="--kernel")
-    click.echo(generate_source(v, kind, DTYPES[dtype], int(head_dim)))
+    if arch is not None:
+        from attnlang.runtime.compiler import resolve_arch
+
+        try:
+            arch = resolve_arch(arch)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--arch") from None
+    click.echo(generate_source(v, kind, DTYPES[dtype], int(head_dim), arch))
 
 
 @main.command()

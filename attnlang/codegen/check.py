@@ -86,6 +86,9 @@ class _Checker:
     # ---- driver ----
 
     def run(self, module: ast.Module) -> ir.Variant:
+        # Every const of the file, to explain a use before its declaration.
+        self.all_consts = {item.name: item.name_span for item in module.items
+                           if isinstance(item, ast.ConstDecl)}
         stages: dict[str, ir.Expr | None] = {}
         stage_spans: dict[str, Span] = {}
         softmax = True
@@ -221,7 +224,9 @@ class _Checker:
         if ty is FLOAT and e.type is INT:
             return self.fold(ir.Cast(e, FLOAT, span))
         hint = {
-            BOOL: "a mask is a condition such as 'q_pos - kv_pos < 128'",
+            BOOL: ("a bool const is true, false or a condition such as '1 < 2'"
+                   if what.startswith("const") else
+                   "a mask is a condition such as 'q_pos - kv_pos < 128'"),
             FLOAT: "use where(cond, 1.0, 0.0) to turn a condition into a number",
             INT: None,
         }[ty]
@@ -289,6 +294,11 @@ class _Checker:
         if stage is not None:
             visible |= set(self.params)
             visible |= {v for v, (_, stages) in ir.INDEX_VARS.items() if stage in stages}
+        later = self.all_consts.get(name)
+        if later is not None and stage is None:
+            self.fail(AttnNameError, f"const '{name}' is used before its declaration", span,
+                      f"a const sees only the consts declared above it; '{name}' is declared "
+                      f"at line {later.line}: move it up")
         hint = did_you_mean(name, visible) or did_you_mean(name, ir.INDEX_VARS)
         if hint is None and stage is not None:
             hint = "declare it with 'param' (run time) or 'const' (compile time)"

@@ -149,7 +149,9 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> AttnSyntaxErr
     elif isinstance(e, UnexpectedCharacters):
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
         message = f"unexpected character '{ch}'"
-        hint = "comments start with '#'" if ch in "/;" else None
+        hint = {"/": "comments start with '#'", ";": "comments start with '#'",
+                "&": "write 'and' ('&&' is C)", "|": "write 'or' ('||' is C)",
+                "!": "write 'not' (or '!=' to compare)"}.get(ch)
     else:  # pragma: no cover - lark has no other UnexpectedInput kinds today
         message, hint = str(e).splitlines()[0], None
     span = Span(filename, line, col, line, col + width)
@@ -173,6 +175,10 @@ def _missing_right_hand_side(e: UnexpectedInput, text: str) -> tuple[int, int] |
 
 
 def _hint_for(e: UnexpectedToken) -> str | None:
+    if e.token.type == "NUMBER" and e.expected == {"NAME"}:  # w[0]
+        return "a tensor param is indexed by head, kv_head, batch or dim, not a number"
+    if e.token.value == "(" and e.expected <= {"NUMBER", "MINUS"}:  # param x: float = -(30.0)
+        return "a param default is a number literal such as -30.0"
     if e.token.type == "NAME" and e.token.value in ("float", "int", "bool"):
         return None
     if e.token.type == "$END":

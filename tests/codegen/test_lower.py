@@ -108,27 +108,28 @@ def test_stage_input_and_dim_are_per_element():
 
 
 def test_params():
-    assert scalar(ir.Param("cap", F)) == "p.cap"
-    assert scalar(ir.ParamIndex("slopes", "head", F)) == "__ldg(p.slopes + ix.head)"
-    assert scalar(ir.ParamIndex("kvw", "kv_head", F)) == "__ldg(p.kvw + ix.kv_head)"
-    assert scalar(ir.ParamIndex("prefix", "batch", N)) == "__ldg(p.prefix + ix.batch)"
-    assert elem(ir.ParamIndex("w", "dim", F)) == "__ldg(p.w + dim)"
+    assert scalar(ir.Param("cap", F)) == "p.u_cap"
+    assert scalar(ir.ParamIndex("slopes", "head", F)) == "__ldg(p.u_slopes + ix.head)"
+    assert scalar(ir.ParamIndex("kvw", "kv_head", F)) == "__ldg(p.u_kvw + ix.kv_head)"
+    assert scalar(ir.ParamIndex("prefix", "batch", N)) == "__ldg(p.u_prefix + ix.batch)"
+    assert elem(ir.ParamIndex("w", "dim", F)) == "__ldg(p.u_w + dim)"
 
 
-def test_cpp_keyword_params_get_a_suffix():
+def test_param_names_are_prefixed_in_cpp():
+    """A param named like a C++ keyword or a CUDA macro stays clear of it."""
     v = ir.Variant("kw", params=(ir.ParamSpec("class", F, default=1.0),),
                    logits=B("*", V("logits", F), ir.Param("class", F)))
     h = lower(v)
-    assert "float class_;" in h.params_struct
-    assert "(s * p.class_)" in h.logits
-    assert h.kernel_params == (KernelParam("param_class", "float", "class_"),)
+    assert "float u_class;" in h.params_struct
+    assert "(s * p.u_class)" in h.logits
+    assert h.kernel_params == (KernelParam("param_class", "float", "u_class"),)
 
 
 # ---------------------------------------------------------------------------- operators
 
 
 @pytest.mark.parametrize("e, text", [
-    (B("+", C(1.5), ir.Param("a", F)), "(1.5f + p.a)"),
+    (B("+", C(1.5), ir.Param("a", F)), "(1.5f + p.u_a)"),
     (B("-", V("q_pos"), V("kv_pos")), "(ix.q_pos - ix.kv_pos)"),
     (B("*", C(2.0), V("logits", F)), "(2.0f * s)"),
     (B("/", V("q_pos"), C(3)), "(ix.q_pos / 3)"),  # int: C's truncation toward zero
@@ -197,7 +198,8 @@ def test_logits_and_mask_hooks():
     h = lower(v)
     assert h.logits == (
         "__device__ __forceinline__ float logits(const float s, const Params& p, "
-        "const Index& ix) {\n  return (p.cap * attnlang::tanh_approx((s * (1.0f / p.cap))));\n}")
+        "const Index& ix) {\n  return (p.u_cap * attnlang::tanh_approx((s * (1.0f / "
+        "p.u_cap))));\n}")
     assert "return (ix.kv_pos <= ix.q_pos);" in h.mask
     assert h.has_logits and h.has_mask and not h.has_query
 
@@ -232,7 +234,8 @@ def test_params_struct_and_kernel_params_keep_declaration_order():
         ir.ParamSpec("window", N, default=4), ir.ParamSpec("prefix", N, "batch")))
     h = lower(v)
     members = re.findall(r"^  (.+?);", h.params_struct, re.M)
-    assert members == ["float cap", "const float* slopes", "int window", "const int* prefix"]
+    assert members == ["float u_cap", "const float* u_slopes", "int u_window",
+                       "const int* u_prefix"]
     assert [(p.name, p.ctype) for p in h.kernel_params] == [
         ("param_cap", "float"), ("param_slopes", "const float*"), ("param_window", "int"),
         ("param_prefix", "const int*")]
@@ -251,7 +254,7 @@ def test_elementwise_vector_stage():
                          value=B("*", V("v", F), w)))
     assert "for (int i = 0; i < VEC; ++i) {" in h.value
     assert "const int dim = dim0 + i;" in h.value
-    assert "x[i] = (x[i] * __ldg(p.w + dim));" in h.value
+    assert "x[i] = (x[i] * __ldg(p.u_w + dim));" in h.value
     assert h.has_value
 
 
@@ -290,7 +293,7 @@ def test_rope(interleaved, helper):
     h = lower(ir.Variant("r", params=(ir.ParamSpec("theta", F, default=1e4),), key=rope))
     assert "float rope0[VEC];" in h.key
     assert "t[i] = x[i];" in h.key
-    assert f"attnlang::{helper}<VEC, TX>(rope0, t, dim0, ix.kv_pos, p.theta);" in h.key
+    assert f"attnlang::{helper}<VEC, TX>(rope0, t, dim0, ix.kv_pos, p.u_theta);" in h.key
     assert "x[i] = rope0[i];" in h.key
 
 
@@ -304,7 +307,7 @@ def test_rope_of_a_reduction_and_position_expression():
     assert body.index("red0 =") < body.index("float rope0[VEC];")
     assert "t[i] = (x[i] / sqrtf((red0 + 1e-05f)));" in body
     assert ("attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, "
-            "(ix.q_pos + __ldg(p.offset + ix.batch)), 500.0f);") in body
+            "(ix.q_pos + __ldg(p.u_offset + ix.batch)), 500.0f);") in body
     assert "x[i] = (rope0[i] * 2.0f);" in body
 
 
@@ -319,7 +322,7 @@ def test_line_directives_point_into_the_attn_file():
     h = lower(v)
     lines = h.logits.splitlines()
     assert lines[1] == '#line 7 "dir/v.attn"'
-    assert lines[2] == "  return (p.cap * s);"
+    assert lines[2] == "  return (p.u_cap * s);"
     assert h.logits.endswith("\n" + LINE_RESET)
     assert h.stage_lines == (("logits", 7),)
 
@@ -354,7 +357,7 @@ def test_every_variant_lowers(path):
                 "logits": "kHasLogits", "mask": "kHasMask", "output": "kHasOutput"}[stage]
         assert f"inline constexpr bool {flag} = {'true' if present else 'false'};" in h.flags
     assert h.softmax is v.softmax
-    assert [p.member for p in h.kernel_params] == [p.name for p in v.params]
+    assert [p.member for p in h.kernel_params] == ["u_" + p.name for p in v.params]
     # consts are folded into literals: no const name survives as an identifier
     for name, _ in v.consts:
         assert not re.search(rf"\b{name}\b", h.query + h.key + h.value + h.logits + h.mask

@@ -118,3 +118,17 @@ def test_a_missing_right_hand_side_is_reported_on_its_line():
     err = rejected("variant a\nlogits =\nmask = causal", "expected an expression after '='",
                    2, 9)
     assert err.hint == "the right-hand side is missing"
+
+
+@pytest.mark.parametrize("source, hint", [
+    ("variant a\nconst flag: bool = 1\nmask = causal", "a bool const is true, false"),
+    ("variant a\nconst a: int = b\nconst b: int = 2\nmask = causal",
+     "a const sees only the consts declared above it; 'b' is declared at line 3"),
+    ("variant a\nmask = causal && causal", "write 'and'"),
+    ("variant a\nparam w: float[heads]\nlogits = logits * w[0]", "indexed by head, kv_head"),
+    ("variant a\nparam x: float = -(30.0)\nmask = causal", "a number literal such as -30.0"),
+])
+def test_new_users_mistakes_get_hints(source, hint):
+    with pytest.raises(attnlang.AttnError) as info:
+        attnlang.parse(source, "x.attn")
+    assert hint in (info.value.errors[0].hint or ""), str(info.value)
