@@ -119,7 +119,9 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
                 rows.append((kind, dtype, str(head_dim), cubin.arch, str(fn.registers),
                              f"{(fn.shared_bytes + dynamic) // 1024} KiB",
                              f"{fn.spill_stores}/{fn.spill_loads}",
-                             f"{cubin.compile_seconds:.2f}s", cubin.cache,
+                             # a cache hit compiled nothing now: no time to show
+                             f"{cubin.compile_seconds:.2f}s" if cubin.cache == "miss" else "-",
+                             cubin.cache,
                              str(cubin.path) if cubin.path else "-"))
         if out_dir is not None:
             target = Path(out_dir)

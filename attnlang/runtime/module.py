@@ -28,6 +28,7 @@ import os
 import re
 import threading
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,14 +203,18 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
         hit = _MODULES.get(key)
     if hit is not None:
         return hit
-    cubins, entries = {}, {}
     short = _SHORT_DTYPE[dtype]
-    for kind in kinds:
-        source = generate_source(variant, kind, dtype, head_dim, arch)
-        label = f"{variant.name}/{kind} {short} d{head_dim}"
-        cubin = compile_source(source, arch, name=f"{variant.name}_{kind}.cu", label=label)
-        cubins[kind] = cubin
-        entries[kind] = _entry_name(kind, [f.name for f in cubin.functions], label)
+    labels = {kind: f"{variant.name}/{kind} {short} d{head_dim}" for kind in kinds}
+    sources = {kind: generate_source(variant, kind, dtype, head_dim, arch) for kind in kinds}
+    # The kinds compile concurrently: NVRTC runs without the GIL, and separate programs may
+    # compile at once, so a cold compile takes about as long as its slowest kernel.
+    with ThreadPoolExecutor(max_workers=len(kinds)) as pool:
+        futures = {kind: pool.submit(compile_source, sources[kind], arch,
+                                     name=f"{variant.name}_{kind}.cu", label=labels[kind])
+                   for kind in kinds}
+        cubins = {kind: futures[kind].result() for kind in kinds}
+    entries = {kind: _entry_name(kind, [f.name for f in cubins[kind].functions], labels[kind])
+               for kind in kinds}
     major, minor = nvrtc_version()
     module = KernelModule(
         name=variant.name, params=tuple(variant.params), softmax=bool(variant.softmax),
