@@ -14,9 +14,21 @@ Backends: attnlang (alt.register(): each layer's own causal attention), sdpa, fl
 eager; each runs in its own process (a backend that fails or runs past --max-seconds gets a
 row saying so, the others still run). Medians of --reps timed runs after one warm-up run.
 
-    python3 benchmarks/e2e.py [--quick] [--backends attnlang,sdpa,...] [--out DIR]
+    python3 benchmarks/e2e.py [--quick] [--layers N] [--backends attnlang,sdpa,...] [--out DIR]
+    python3 benchmarks/e2e.py --compiled --backends attnlang,sdpa     # + compiled generation
 
---quick: 4 layers, 4 prompts of 512 tokens, 32 new tokens (a smoke run of the plumbing).
+--quick: 4 layers, 4 prompts of 512 tokens, 32 new tokens (a smoke run of the plumbing);
+--layers overrides the layer count of either size.
+
+--compiled adds a "(compiled)" row per backend: transformers' compiled generation, i.e. a
+static cache (cache_implementation="static") with which generate() runs its decode steps
+through torch.compile (CompileConfig defaults: inductor, "reduce-overhead", so CUDA graphs);
+the prefill stays eager, as transformers runs it. Each such row also records whether generate
+really compiled and how many graph breaks dynamo took (attnlang's plan() runs on the host, so
+its layers break the graph). Compiling 32 layers takes minutes per backend: the default run is
+eager-only; give compiled rows their own run (and --max-seconds) on a small time budget. A
+compiled row's "attnlang faster" compares with attnlang's compiled row, or its eager row when
+the compiled one failed.
 """
 
 from __future__ import annotations
@@ -52,6 +64,14 @@ def build_model(torch, transformers, layers: int):
     return model.eval()
 
 
+def label(backend: str, compiled: bool) -> str:
+    return f"{backend} (compiled)" if compiled else backend
+
+
+def file_stem(backend: str, compiled: bool) -> str:
+    return f"/tmp/e2e_{backend}{'_compiled' if compiled else ''}"
+
+
 def worker(backend: str, args: argparse.Namespace) -> dict:
     """One backend, in this process: returns its timings and first tokens."""
     torch = C.require_cuda()
@@ -62,10 +82,14 @@ def worker(backend: str, args: argparse.Namespace) -> dict:
         from attnlang.integrations import transformers as alt
 
         alt.register("attnlang")
-    if backend == "flex_attention":
+    if backend == "flex_attention" or args.compiled:
         C.raise_dynamo_limits(256)
     model = build_model(torch, transformers, args.layers)
     model.set_attn_implementation(backend)
+    options = {}
+    if args.compiled:  # static cache: generate() then compiles its decode steps
+        options["cache_implementation"] = "static"
+        model.generation_config.compile_config = transformers.CompileConfig()
     g = torch.Generator(device="cuda").manual_seed(1)
     prompts = torch.randint(1, 128256, (args.batch, args.prompt), device="cuda", generator=g)
     mask = torch.ones_like(prompts)
@@ -75,73 +99,102 @@ def worker(backend: str, args: argparse.Namespace) -> dict:
         t = time.perf_counter()
         with torch.no_grad():
             out = model.generate(prompts, attention_mask=mask, max_new_tokens=new_tokens,
-                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                                 min_new_tokens=new_tokens, do_sample=False, pad_token_id=0,
+                                 **options)
         torch.cuda.synchronize()
         return time.perf_counter() - t, out
 
     generate(1)  # warm-up: kernels compiled, allocator primed
-    _, out = generate(args.new_tokens)
+    _, out = generate(args.new_tokens)  # also the warm-up of decode (torch.compile with --compiled)
     with torch.no_grad():
         logits = model(prompts, attention_mask=mask, logits_to_keep=1).logits[:, -1].float()
-    torch.save(logits.cpu(), f"/tmp/e2e_{backend}_logits.pt")
+    torch.save(logits.cpu(), file_stem(backend, args.compiled) + "_logits.pt")
     ttft = statistics.median(generate(1)[0] for _ in range(args.reps))
     total = statistics.median(generate(args.new_tokens)[0] for _ in range(args.reps))
     decode_tokens = args.batch * (args.new_tokens - 1)
-    return {"backend": backend, "ttft_ms": ttft * 1e3, "total_s": total,
-            "decode_tok_s": decode_tokens / (total - ttft),
-            "first_tokens": out[0, args.prompt:args.prompt + 8].tolist(),
-            "memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+    row = {"backend": label(backend, args.compiled), "ttft_ms": ttft * 1e3, "total_s": total,
+           "decode_tok_s": decode_tokens / (total - ttft),
+           "first_tokens": out[0, args.prompt:args.prompt + 8].tolist(),
+           "memory_gb": torch.cuda.max_memory_allocated() / 1e9}
+    if args.compiled:
+        from torch._dynamo.utils import counters
+
+        # transformers keeps the torch.compile'd forward here once generate() has used it.
+        row["did_compile"] = hasattr(model, "_compiled_call")
+        row["graph_breaks"] = sum(counters["graph_break"].values())
+        row["note"] = (f"{row['graph_breaks']} graph breaks" if row["did_compile"] else
+                       "generate() did not compile (transformers' auto-compile criteria)")
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="4 layers, 4 x 512 prompt, 32 new")
+    parser.add_argument("--layers", type=int, default=None, help="32 (4 with --quick)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also each backend with a static cache + torch.compile'd decode")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-seconds", type=float, default=240, help="per backend")
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--result", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--worker-compiled", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    args.layers, args.batch, args.prompt, args.new_tokens = (
+    layers, args.batch, args.prompt, args.new_tokens = (
         (4, 4, 512, 32) if args.quick else (32, 16, 2048, 128))
+    args.layers = args.layers or layers
 
-    if args.worker:  # a child process: one backend
+    if args.worker:  # a child process: one backend, eager or compiled
+        args.compiled = args.worker_compiled
         Path(args.result).write_text(json.dumps(worker(args.worker, args)))
         return
 
     rows = []
-    for backend in args.backends.split(","):
-        result = Path(f"/tmp/e2e_{backend}.json")
-        result.unlink(missing_ok=True)
-        Path(f"/tmp/e2e_{backend}_logits.pt").unlink(missing_ok=True)
-        cmd = [sys.executable, __file__, "--worker", backend, "--result", str(result),
-               "--reps", str(args.reps)] + (["--quick"] if args.quick else [])
-        C.log(f"{backend}: running ({' '.join(cmd[2:])})")
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.max_seconds)
-            if proc.returncode != 0 or not result.exists():
-                tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                rows.append({"backend": backend, "note": "failed: " + " | ".join(tail)[-200:]})
-                continue
-            rows.append(json.loads(result.read_text()))
-        except subprocess.TimeoutExpired:
-            rows.append({"backend": backend, "note": f"over {args.max_seconds:.0f} s"})
-        C.log(f"{backend}: {rows[-1]}")
+    for compiled in [False, True] if args.compiled else [False]:
+        for backend in args.backends.split(","):
+            name, stem = label(backend, compiled), file_stem(backend, compiled)
+            result = Path(stem + ".json")
+            result.unlink(missing_ok=True)
+            Path(stem + "_logits.pt").unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--worker", backend, "--result", str(result),
+                   "--reps", str(args.reps), "--layers", str(args.layers)]
+            cmd += (["--quick"] if args.quick else []) + (
+                ["--worker-compiled"] if compiled else [])
+            C.log(f"{name}: running ({' '.join(cmd[2:])})")
+            try:
+                proc = subprocess.run(cmd, capture_output=True, text=True,
+                                      timeout=args.max_seconds)
+                if proc.returncode != 0 or not result.exists():
+                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+                    rows.append({"backend": name, "note": "failed: " + " | ".join(tail)[-200:]})
+                    continue
+                rows.append(json.loads(result.read_text()))
+            except subprocess.TimeoutExpired:
+                rows.append({"backend": name, "note": f"over {args.max_seconds:.0f} s"})
+            C.log(f"{name}: {rows[-1]}")
 
     by_name = {r["backend"]: r for r in rows}
-    ref = by_name.get("sdpa", {}).get("first_tokens")
-    ref_logits = Path("/tmp/e2e_sdpa_logits.pt")
-    if ref_logits.exists():
+    sdpa = by_name.get("sdpa") or by_name.get(label("sdpa", True)) or {}
+    ref = sdpa.get("first_tokens")
+    # The prefill is eager in both modes: sdpa's eager logits are the reference for all rows.
+    ref_logits = next((Path(file_stem("sdpa", c) + "_logits.pt") for c in (False, True)
+                       if Path(file_stem("sdpa", c) + "_logits.pt").exists()), None)
+    if ref_logits is not None:
         torch = C.torch_module()
         want = torch.load(ref_logits)
         for r in rows:
-            path = Path(f"/tmp/e2e_{r['backend']}_logits.pt")
+            compiled = r["backend"].endswith(" (compiled)")
+            path = Path(file_stem(r["backend"].removesuffix(" (compiled)"), compiled)
+                        + "_logits.pt")
             if path.exists() and "ttft_ms" in r:
                 got = torch.load(path)
                 r["logits_err"] = f"{((got - want).norm() / want.norm()).item():.1e}"
-    al = by_name.get("attnlang", {})
     for r in rows:
+        al = by_name.get("attnlang", {})
+        if r["backend"].endswith(" (compiled)") and "ttft_ms" in by_name.get(
+                label("attnlang", True), {}):
+            al = by_name[label("attnlang", True)]
         if ref and r.get("first_tokens"):
             same = next((i for i, (a, b) in enumerate(zip(r["first_tokens"], ref, strict=True))
                          if a != b), len(ref))
@@ -151,7 +204,8 @@ def main() -> None:
                 ratio = al[key] / r[key] if better == "higher" else r[key] / al[key]
                 r[f"{key}_x"] = f"{ratio:.2f}x"
     shape = (f"{args.layers} layers, 32/8 heads, d128, bf16; {args.batch} x {args.prompt} "
-             f"prompt tokens, {args.new_tokens} new")
+             f"prompt tokens, {args.new_tokens} new"
+             + ("; (compiled): static cache, torch.compile'd decode" if args.compiled else ""))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
         Path(args.out, "e2e.json").write_text(json.dumps({"shape": shape, "rows": rows},

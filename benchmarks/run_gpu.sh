@@ -4,6 +4,7 @@
 #   bash benchmarks/run_gpu.sh tests            GPU tests (correctness), log in $OUT
 #   bash benchmarks/run_gpu.sh decode [args]    benchmarks/decode.py
 #   bash benchmarks/run_gpu.sh prefill [args]   benchmarks/prefill.py
+#   bash benchmarks/run_gpu.sh host | e2e       benchmarks/host.py, e2e.py (JSON in $OUT)
 # Several can be chained: bash benchmarks/run_gpu.sh tests decode
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlang-out}
@@ -19,6 +20,8 @@ for what in "$@"; do
     tests) python3 -m pytest -q -ra -m gpu tests -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log"
            status=$((status | PIPESTATUS[0])) ;;
     decode|prefill) python3 "benchmarks/$what.py" --out "$OUT/$what.json" 2>&1 | tee "$OUT/$what.log"
+           status=$((status | PIPESTATUS[0])) ;;
+    host|e2e) python3 "benchmarks/$what.py" --out "$OUT" 2>&1 | tee "$OUT/$what.log"
            status=$((status | PIPESTATUS[0])) ;;
     *) echo "unknown step '$what'"; exit 2 ;;
   esac
