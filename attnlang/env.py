@@ -16,6 +16,8 @@ knob                       meaning (default)
                            "compiling ..." progress lines on stderr (off)
 ``ATTNLANG_DUMP_DIR``      write every compiled source, its cubin and ptxas log
                            there, for debugging (off)
+``ATTNLANG_HOST_PATH``     ``python``: run() never uses its C path (``c``: it does
+                           when a C compiler and Python's headers are there)
 =========================  ===========================================================
 
 attnlang also reads two standard CUDA variables, ``CUDA_PATH`` and ``CUDA_HOME``, as places
@@ -27,7 +29,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "cuda_include", "arch", "quiet", "dump_dir"]
+__all__ = ["cache_dir", "cuda_include", "arch", "quiet", "dump_dir", "host_path"]
 
 _FALSE = {"0", "false", "no", "off"}
 
@@ -79,3 +81,14 @@ def dump_dir() -> Path | None:
     """``ATTNLANG_DUMP_DIR``: where to write every compiled source + cubin, or None."""
     value = _get("ATTNLANG_DUMP_DIR")
     return Path(value).expanduser() if value is not None else None
+
+
+def host_path() -> str:
+    """``ATTNLANG_HOST_PATH``: ``"c"`` (default) or ``"python"``, for run()'s per-call path.
+
+    Raises ValueError for any other value. Example: ``ATTNLANG_HOST_PATH=python`` -> "python".
+    """
+    value = (_get("ATTNLANG_HOST_PATH") or "c").lower()
+    if value not in ("c", "python"):
+        raise ValueError(f"ATTNLANG_HOST_PATH must be 'c' or 'python', got {value!r}")
+    return value

@@ -6,8 +6,10 @@ tokens of context, 32 query / 8 KV heads, head_dim 128, bf16, page 16). Reported
 
 - run() host time: CPU time spent inside each run() call (perf_counter around the call, no
   synchronize inside the step), median over all calls of all timed steps. For attnlang with
-  torch tensors (the users' case), with CuPy arrays, and with a preallocated out=; for
-  FlashInfer's BatchDecodeWithPagedKVCacheWrapper.run (out= preallocated, as its users do).
+  torch tensors (the users' case), with CuPy arrays, and with a preallocated out=, on its C
+  path (runtime/hostpath.c) and, for comparison, its Python path (ATTNLANG_HOST_PATH=python);
+  for FlashInfer's BatchDecodeWithPagedKVCacheWrapper.run (out= preallocated, as its users
+  do).
 - step wall time: plan + 32 runs + a synchronize, median over steps.
 - kernel time: the 32 runs captured in one CUDA graph and replayed (CUDA events), per layer.
 - plan() host time for 1, 2, 4, ..., 256 requests of 1024 tokens, each with its copy to the
@@ -91,17 +93,31 @@ def main() -> None:
     outs = [torch.empty_like(q) for q in qs]
     rows, results = [], {"environment": C.environment(torch), "flashinfer": fi_note}
 
-    attn = al.BatchAttention(al.load(str(C.REPO_ROOT / "examples" / "causal.attn")), HQ, HKV,
-                             HEAD_DIM, "bfloat16", PAGE)
+    from attnlang.runtime import hostpath
+
+    causal = al.load(str(C.REPO_ROOT / "examples" / "causal.attn"))
+    attn = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE)
+    os.environ["ATTNLANG_HOST_PATH"] = "python"  # a second one on run()'s Python path
+    attn_py = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE)
+    del os.environ["ATTNLANG_HOST_PATH"]
+    c_path = attn._hostpath is not None
+    C.log(f"run()'s C path: {'built' if c_path else hostpath.unavailable_reason()}")
+    results["c_path"] = c_path
 
     def al_plan():
         attn.plan(*layout)
 
-    # Correctness first: the layers' outputs against a fresh, fully validated call.
+    def py_plan():
+        attn_py.plan(*layout)
+
+    # Correctness first: every layer, twice (the second time through the C path when it is
+    # built), equal to the Python path's calls, which validate each signature in full.
     al_plan()
-    first = attn.run(qs[5], caches[5])
-    attn._checked.clear()
-    assert torch.equal(first, attn.run(qs[5], caches[5])), "memoised run() differs"
+    py_plan()
+    for _ in range(2):
+        for i in range(LAYERS):
+            assert torch.equal(attn.run(qs[i], caches[i]), attn_py.run(qs[i], caches[i])), (
+                f"layer {i}: run() differs from its Python path")
 
     def as_cupy(t):  # bf16 bits as uint16 (CuPy without ml_dtypes)
         return cupy.asarray(t.view(torch.int16)).view(cupy.uint16)
@@ -113,8 +129,10 @@ def main() -> None:
         "attnlang (torch, out=)": [lambda i=i: attn.run(qs[i], caches[i], out=outs[i])
                                    for i in range(LAYERS)],
         "attnlang (CuPy)": [lambda i=i: attn.run(cq[i], cc[i]) for i in range(LAYERS)],
+        "attnlang Python path (torch, out=)": [
+            lambda i=i: attn_py.run(qs[i], caches[i], out=outs[i]) for i in range(LAYERS)],
     }
-    plans = {name: al_plan for name in contenders}
+    plans = {name: py_plan if "Python path" in name else al_plan for name in contenders}
     if fi is not None:
         ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from attnlang import ir
-from attnlang.runtime import planner
+from attnlang.runtime import hostpath, planner
 from attnlang.runtime.arrays import (
     _READERS,
     TensorInfo,
@@ -298,6 +298,10 @@ class BatchAttention:
         # already ordered after the current plan's copy.
         self._checked: dict[tuple, _CheckedCall] = {}
         self._waited: set[int] = set()
+        # run()'s C path (hostpath.c): a FastRun per validated call signature of the current
+        # plan (a few: a model's layers share one), tried before the Python path.
+        self._hostpath = hostpath.load()
+        self._fast_runs: dict[tuple, Any] = {}
         self._plan: BatchPlan | None = None
         self._inputs: PlanInputs | None = None
 
@@ -358,6 +362,7 @@ class BatchAttention:
             # other streams recorded _run_done; those on the last copy's stream are ordered
             # before this copy when it is the same stream, else (a rare switch; that stream
             # may even be gone) the device is synchronised.
+            self._absorb_fast_flags()
             if self._ran:
                 stream.wait_event(self._run_done)
             if self._ran_on_copy_stream and stream.ptr != self._copy_stream:
@@ -376,6 +381,7 @@ class BatchAttention:
         self._plan, self._inputs = plan, inputs
         self._checked.clear()  # validation depends on the plan (total_q, pages, batch size)
         self._waited.clear()
+        self._fast_runs.clear()
         return plan
 
     # -- run
@@ -401,6 +407,11 @@ class BatchAttention:
         their addresses (another layer's cache, a new q) reuses that call's validation
         (`call_signature`): it reads pointers, checks their alignment and launches.
         """
+        if lse is None and not return_lse:
+            for fast in self._fast_runs.values():
+                out_obj = fast(q, kv_cache, params, out, sm_scale)
+                if out_obj is not None:  # None: not its signature, or a case for Python
+                    return out_obj
         if self._plan is None or self._inputs is None:
             raise RuntimeError("call plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len) "
                                "before run()")
@@ -471,12 +482,36 @@ class BatchAttention:
                 else:
                     runtime.eventRecord(self._run_done.ptr, stream)
                     self._ran = True
+                if described is not None and lse is None and not return_lse:
+                    self._use_fast_run(key, (q, *kv_cache, out), params, sm_scale, checked)
         finally:
             if previous != device:
                 runtime.setDevice(previous)
         if return_lse:
             return out_obj, (lse_obj if self.module.softmax else None)
         return out_obj
+
+    def _use_fast_run(self, key: tuple, arrays: tuple, params, sm_scale,
+                      checked: _CheckedCall) -> None:
+        """After a Python-path launch: make a FastRun for this signature (from the launch just
+        packed) when the C path is built and takes such calls (no lse, no tensor params,
+        torch or CuPy arrays), so later calls with it skip Python."""
+        if (self._hostpath is None or checked.tensor_params or checked.host_params
+                or key in self._fast_runs or len(self._fast_runs) >= _FAST_RUNS):
+            return
+        fast = hostpath.fast_run(
+            self._hostpath, arrays=arrays, params=None if params is None else key[5],
+            sm_scale=sm_scale, launches=self._plan_launches, device=self.device,
+            waited=self._waited, copy_stream=self._copy_stream, run_done=self._run_done.ptr)
+        if fast is not None:
+            self._fast_runs[key] = fast
+
+    def _absorb_fast_flags(self) -> None:
+        """Take over the FastRuns' record of where they launched (plan() reads it)."""
+        for fast in self._fast_runs.values():
+            self._ran = self._ran or bool(fast.ran)
+            self._ran_on_copy_stream = self._ran_on_copy_stream or bool(fast.ran_on_copy_stream)
+            fast.ran = fast.ran_on_copy_stream = 0
 
     def _upload_host_params(self, values, host_params, stream: int, capturing: bool):
         """Copy host tensor params (unmemoised calls only) to the device on `stream`. The
@@ -556,6 +591,8 @@ def _block3(block) -> tuple[int, int, int]:
 
 # Validated call signatures kept per plan: a model's layers usually share one or two.
 _CHECKED_CALLS = 64
+# FastRuns per plan, each tried in turn before the Python path (a miss costs ~0.2 us).
+_FAST_RUNS = 4
 
 
 @dataclass(frozen=True)

@@ -210,6 +210,12 @@ class PackedArgs:
         for i, (_, value) in enumerate(params, self._scale + 1):
             self._store(i, value)
 
+    def snapshot(self) -> tuple[tuple[int, int, int, int], bytes]:
+        """(the slots of q, k_cache, v_cache, out: -1 where the kernel has none; the packed
+        bytes as they are now), what hostpath.FastRun launches from."""
+        slots = (-1, -1, -1, 6) if self._kind == "merge" else (0, 1, 2, 3)
+        return slots, bytes(self._bytes)
+
     def values(self) -> tuple:
         """The packed arguments as kernel_args returns them (for tests)."""
         views = {np.uint64: self._u64, np.int32: self._i32, np.float32: self._f32}

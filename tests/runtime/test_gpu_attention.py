@@ -569,3 +569,91 @@ def test_bad_inputs_raise_before_any_launch(cp):
         attn.plan([0, 1, 2, 3], [0, 1, 2, 3], [0, 1, 2], [1, 1, 1])
     attn.run(q, (kc, vc), {"slopes": slopes}, out=out)
     assert not cp.isnan(out).any()
+
+
+# ---------------------------------------------------------------------------- run()'s C path
+
+
+def test_the_c_path_runs_layers_like_the_python_path(cp, monkeypatch, error_log):
+    """A model's loop: one plan, then each layer's own q and cache. After the first call of a
+    signature, calls go through hostpath.FastRun (describe_call is not reached); results
+    equal the reference on every layer, with out= and without, on a side stream, after a
+    re-plan, with CuPy arrays; bad calls still get the Python path's errors."""
+    from attnlang.runtime import attention as attention_module
+    from attnlang.runtime import hostpath
+
+    if hostpath.load() is None:
+        pytest.skip(f"no C path: {hostpath.unavailable_reason()}")
+    torch = pytest.importorskip("torch")
+    python_path_calls = []
+    describe = attention_module.describe_call
+    monkeypatch.setattr(attention_module, "describe_call",
+                        lambda *a: python_path_calls.append(1) or describe(*a))
+    variant = attnlang.load("examples/softcap.attn")
+    rng = np.random.default_rng(21)
+    qo, kv = np.array([1, 1, 3]), np.array([700, 33, 250])
+    batch = make_batch(rng, qo, kv, 8, 2, 128, 16, "bfloat16")
+
+    def like(x):
+        return round_to_dtype(rng.standard_normal(x.shape).astype(np.float32), "bfloat16")
+
+    # Three layers: one page table, each layer its own q and cache.
+    layers = [(batch.q, batch.k_cache, batch.v_cache)] + [
+        (like(batch.q), like(batch.k_cache), like(batch.v_cache)) for _ in range(2)]
+    refs = [attention_paged(variant, *layer, *batch.table, params={"cap": 20.0})[0]
+            for layer in layers]
+
+    def t(x):
+        return torch.from_numpy(np.ascontiguousarray(x)).to("cuda").to(torch.bfloat16)
+
+    tensors = [tuple(t(x) for x in layer) for layer in layers]
+    attn = attnlang.BatchAttention(variant, 8, 2, 128, torch.bfloat16, 16)
+
+    def check(outs, label):
+        torch.cuda.synchronize()
+        for got, ref in zip(outs, refs, strict=True):
+            err = rel_l2(got.float().cpu().numpy(), ref)
+            error_log("bfloat16", err, f"C path {label}")
+            assert err <= TOLERANCE["bfloat16"], label
+
+    for replan in range(2):
+        attn.plan(*batch.table)
+        python_path_calls.clear()
+        outs = [torch.full_like(q, float("nan")) for q, _, _ in tensors]
+        for _ in range(2):
+            fresh = [attn.run(q, (k, v), {"cap": 20.0}) for q, k, v in tensors]
+            given = [attn.run(q, (k, v), {"cap": 20.0}, out=o)
+                     for (q, k, v), o in zip(tensors, outs, strict=True)]
+        check(fresh, f"plan {replan} new out")
+        check(given, f"plan {replan} out=")
+        assert len(python_path_calls) == 2, "the C path did not take the repeated calls"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        check([attn.run(q, (k, v), {"cap": 20.0}) for _ in range(2) for q, k, v in tensors][3:],
+              "side stream")
+    # Another param value or signature goes back to Python, and is right.
+    python_path_calls.clear()
+    q, k, v = tensors[0]
+    other = attn.run(q, (k, v), {"cap": 5.0})
+    ref5 = attention_paged(variant, *layers[0], *batch.table, params={"cap": 5.0})[0]
+    torch.cuda.synchronize()
+    assert rel_l2(other.float().cpu().numpy(), ref5) <= TOLERANCE["bfloat16"]
+    assert python_path_calls == [1]
+    # Bad calls after the C path took over: the Python path's errors, nothing launched.
+    misaligned = torch.empty(q.numel() + 8, dtype=q.dtype, device="cuda")[1:1 + q.numel()]
+    poisoned_out = torch.full_like(q, float("nan"))
+    for bad_q, error, match in ((q.float(), TypeError, "q has dtype float32"),
+                                (q[:2], ValueError, "q must have shape"),
+                                (misaligned.view(q.shape), ValueError, "16-byte boundary")):
+        with pytest.raises(error, match=match):
+            attn.run(bad_q, (k, v), {"cap": 20.0}, out=poisoned_out)
+    torch.cuda.synchronize()
+    assert poisoned_out.isnan().all()
+    # CuPy arrays take the C path too (their attributes read in C).
+    python_path_calls.clear()
+    arrays = [tuple(to_device(cp, x, "bfloat16") for x in layer) for layer in layers]
+    outs = [attn.run(q, (k, v), {"cap": 20.0}) for _ in range(2) for q, k, v in arrays][3:]
+    for got, ref in zip(outs, refs, strict=True):
+        assert rel_l2(from_device(cp, got, "bfloat16"), ref) <= TOLERANCE["bfloat16"]
+    assert len(python_path_calls) == 1
