@@ -16,6 +16,7 @@ row saying so, the others still run). Medians of --reps timed runs after one war
 
     python3 benchmarks/e2e.py [--quick] [--layers N] [--backends attnlang,sdpa,...] [--out DIR]
     python3 benchmarks/e2e.py --compiled --backends attnlang,sdpa     # + compiled generation
+    python3 benchmarks/e2e.py --compiled-only --backends attnlang,sdpa  # compiled rows alone
 
 --quick: 4 layers, 4 prompts of 512 tokens, 32 new tokens (a smoke run of the plumbing);
 --layers overrides the layer count of either size.
@@ -134,6 +135,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="32 (4 with --quick)")
     parser.add_argument("--compiled", action="store_true",
                         help="also each backend with a static cache + torch.compile'd decode")
+    parser.add_argument("--compiled-only", action="store_true",
+                        help="only the compiled rows (their own run: compiling takes minutes)")
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--max-seconds", type=float, default=240, help="per backend")
     parser.add_argument("--out", default=os.environ.get("OUT"))
@@ -151,7 +154,9 @@ def main() -> None:
         return
 
     rows = []
-    for compiled in [False, True] if args.compiled else [False]:
+    modes = [True] if args.compiled_only else [False, True] if args.compiled else [False]
+    args.compiled = args.compiled or args.compiled_only
+    for compiled in modes:
         for backend in args.backends.split(","):
             name, stem = label(backend, compiled), file_stem(backend, compiled)
             result = Path(stem + ".json")

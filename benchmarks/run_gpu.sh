@@ -5,6 +5,8 @@
 #   bash benchmarks/run_gpu.sh decode [args]    benchmarks/decode.py
 #   bash benchmarks/run_gpu.sh prefill [args]   benchmarks/prefill.py
 #   bash benchmarks/run_gpu.sh host | e2e       benchmarks/host.py, e2e.py (JSON in $OUT)
+#   bash benchmarks/run_gpu.sh memcheck | racecheck | synccheck
+#                                               GPU tests under compute-sanitizer (below)
 # Several can be chained: bash benchmarks/run_gpu.sh tests decode
 set -uo pipefail
 OUT=${OUT:-/tmp/attnlang-out}
@@ -22,6 +24,22 @@ for what in "$@"; do
     decode|prefill) python3 "benchmarks/$what.py" --out "$OUT/$what.json" 2>&1 | tee "$OUT/$what.log"
            status=$((status | PIPESTATUS[0])) ;;
     host|e2e) python3 "benchmarks/$what.py" --out "$OUT" 2>&1 | tee "$OUT/$what.log"
+           status=$((status | PIPESTATUS[0])) ;;
+    memcheck|racecheck|synccheck)
+           # Every kernel kind (decode, prefill on wgmma and mma.sync, merge) on the zoo's
+           # matrix; racecheck and synccheck (slower: every shared-memory access is tracked)
+           # on its causal and soft-cap cases. SANITIZE_K overrides the selection.
+           sanitizer=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
+           select=()
+           [ "$what" = memcheck ] || select=(-k "causal or softcap")
+           [ -n "${SANITIZE_K:-}" ] && select=(-k "$SANITIZE_K")
+           "$sanitizer" --tool "$what" --error-exitcode 99 --print-limit 20 \
+             python3 -m pytest -q -ra -p no:cacheprovider -m gpu "${select[@]}" \
+             tests/runtime/test_gpu_attention.py::test_attention_matches_reference \
+             tests/runtime/test_gpu_prefill.py::test_mma_sync_path_on_hopper \
+             tests/runtime/test_gpu_prefill.py::test_mixed_decode_and_prefill_batch \
+             tests/runtime/test_gpu_attention.py::test_merge_states_matches_numpy \
+             2>&1 | tee "$OUT/$what.log" | tail -25
            status=$((status | PIPESTATUS[0])) ;;
     *) echo "unknown step '$what'"; exit 2 ;;
   esac

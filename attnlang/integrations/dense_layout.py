@@ -88,6 +88,8 @@ def dense_plan(unit_pages: np.ndarray, q_len: int, kv_len: int,
         raise ValueError(f"the query ({q_len} tokens) is longer than the keys ({kv_len}): "
                          "queries must be the last tokens of the key sequence")
     start = kv_len - q_len  # key position of query row 0
+    if key_mask is not None and key_mask.all():
+        key_mask = None  # generate() hands an all-True mask to unpadded batches
     if key_mask is None:  # no padding (every decode step of an unpadded batch): vectorised
         n = batch * units
         kv_indices = (unit_pages.reshape(n, 1) + np.arange(kv_len)).ravel()
