@@ -238,6 +238,19 @@ class _Checker:
         method = getattr(self, "expr_" + type(node).__name__)
         return method(node, stage)
 
+    def exprs(self, nodes, stage: str | None) -> list[ir.Expr]:
+        """Each of `nodes` checked even when an earlier one has an error, so one expression
+        reports all its independent errors (`f(1, 2) + g(3, 4)`: both arities)."""
+        out, poisoned = [], False
+        for node in nodes:
+            try:
+                out.append(self.expr(node, stage))
+            except _Poison:
+                poisoned = True
+        if poisoned:
+            raise _Poison
+        return out
+
     def expr_Number(self, n: ast.Number, stage):
         problem = out_of_range(n.value, INT if n.is_int else FLOAT)
         if problem:
@@ -344,8 +357,7 @@ class _Checker:
         return self.fold(ir.Unary("-", x, x.type, n.span))
 
     def expr_BinOp(self, n: ast.BinOp, stage):
-        a = self.expr(n.a, stage)
-        b = self.expr(n.b, stage)
+        a, b = self.exprs((n.a, n.b), stage)
         op = n.op
         if op in ("and", "or"):
             self.need(a, BOOL, n.a.span, f"'{op}'")
@@ -382,14 +394,13 @@ class _Checker:
         if n.kwargs:
             self.fail(AttnTypeError, f"{f}() takes no keyword arguments", n.kwargs[0].span)
         want = ir.SCALAR_FUNCS[f]
-        if len(n.args) != want:
-            hint = None
-            if f in ("min", "max") and len(n.args) == 1:
-                hint = None  # unreachable: one-arg min/max are reductions
-            self.fail(AttnTypeError,
-                      f"{f}() takes {want} argument{'s' if want > 1 else ''}, found {len(n.args)}",
-                      n.span, hint)
-        args = [self.expr(a, stage) for a in n.args]
+        if len(n.args) != want:  # reported, then the arguments' own errors too
+            self.error(AttnTypeError,
+                       f"{f}() takes {want} argument{'s' if want > 1 else ''}, found {len(n.args)}",
+                       n.span)
+            self.exprs(n.args, stage)
+            raise _Poison
+        args = self.exprs(n.args, stage)
         spans = [a.span for a in n.args]
         if f == "where":
             self.need(args[0], BOOL, spans[0], "where()'s condition")

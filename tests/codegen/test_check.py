@@ -96,3 +96,15 @@ def test_type_errors(src, fragment):
     with pytest.raises(al.AttnError) as info:
         al.parse("variant t\n" + src)
     assert fragment in str(info.value)
+
+
+def test_one_expression_reports_all_its_independent_errors():
+    src = ("variant v\n"
+           "logits = exp(logits, 1.0) + log(2.0, 3.0) * pow(abs(1.0, 2.0))\n")
+    with pytest.raises(al.AttnError) as info:
+        al.parse(src, filename="v.attn")
+    found = [(e.span.line, e.span.col, e.message) for e in info.value.errors]
+    assert found == [(2, 10, "exp() takes 1 argument, found 2"),
+                     (2, 29, "log() takes 1 argument, found 2"),
+                     (2, 45, "pow() takes 2 arguments, found 1"),
+                     (2, 49, "abs() takes 1 argument, found 2")]
