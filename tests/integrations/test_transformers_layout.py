@@ -119,3 +119,12 @@ def test_key_pages_need_whole_tokens():
     assert key_pages((8 * 10 * 64, 10 * 64, 64, 1), 64, 2, 8)[1, 3] == 8 * 10 + 3 * 10
     with pytest.raises(ValueError, match="not whole tokens"):
         key_pages((640, 64, 1, 10), 64, 1, 1)
+
+
+def test_an_all_true_mask_plans_like_no_mask():
+    pages = key_pages((2 * 6 * 64, 6 * 64, 64, 1), 64, 3, 2)
+    for q_len in (1, 4):
+        plain = dense_plan(pages, q_len, 6, None)
+        masked = dense_plan(pages, q_len, 6, np.ones((3, 6), bool))
+        for name in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len"):
+            np.testing.assert_array_equal(getattr(masked, name), getattr(plain, name))
