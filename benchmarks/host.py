@@ -97,9 +97,13 @@ def main() -> None:
 
     causal = al.load(str(C.REPO_ROOT / "examples" / "causal.attn"))
     attn = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE)
+    chosen = os.environ.get("ATTNLANG_HOST_PATH")
     os.environ["ATTNLANG_HOST_PATH"] = "python"  # a second one on run()'s Python path
     attn_py = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE)
-    del os.environ["ATTNLANG_HOST_PATH"]
+    if chosen is None:
+        del os.environ["ATTNLANG_HOST_PATH"]
+    else:
+        os.environ["ATTNLANG_HOST_PATH"] = chosen
     c_path = attn._hostpath is not None
     C.log(f"run()'s C path: {'built' if c_path else hostpath.unavailable_reason()}")
     results["c_path"] = c_path

@@ -46,9 +46,7 @@ def load() -> ModuleType | None:
     """The compiled module (built on the first call of a process), or None when run() must
     use its Python path: ATTNLANG_HOST_PATH=python (read at each call: a BatchAttention
     made while it is set keeps the Python path), or no build (warned once, with why)."""
-    global _reason
     if env.host_path() == "python":
-        _reason = "ATTNLANG_HOST_PATH=python"
         return None
     with _lock:
         if "module" not in _loaded:
@@ -57,7 +55,9 @@ def load() -> ModuleType | None:
 
 
 def unavailable_reason() -> str | None:
-    """Why `load()` returned None (None if it did not, or was not called)."""
+    """Why `load()` returns None now (None if it does not, or was not called yet)."""
+    if env.host_path() == "python":
+        return "ATTNLANG_HOST_PATH=python"
     return _reason
 
 

@@ -25,6 +25,9 @@ __all__ = ["WorkspaceLayout", "workspace_layout", "fill_workspace", "kernel_args
 
 # run()'s per-call array pointers, little-endian 8-byte slots (PackedArgs.update).
 _FIVE_POINTERS, _TWO_POINTERS = struct.Struct("<5Q"), struct.Struct("<2Q")
+# The merge kernel's out and lse arguments (kernel_args: after its six workspace pointers);
+# the other kernels take q, k_cache, v_cache, out, lse first.
+_MERGE_OUT_SLOT = 6
 # Workspace sections start on 128-byte boundaries (32 int32s): coalesced, vector-loadable.
 _ALIGN = 32
 
@@ -203,7 +206,7 @@ class PackedArgs:
     def update(self, q: int, k_cache: int, v_cache: int, out: int, lse: int, sm_scale: float,
                params: Sequence[tuple[ir.ParamSpec, Any]]) -> None:
         if self._kind == "merge":
-            _TWO_POINTERS.pack_into(self._bytes, 6 * 8, out, lse)
+            _TWO_POINTERS.pack_into(self._bytes, 8 * _MERGE_OUT_SLOT, out, lse)
         else:
             _FIVE_POINTERS.pack_into(self._bytes, 0, q, k_cache, v_cache, out, lse)
         self._floats[2 * self._scale] = sm_scale
@@ -213,7 +216,7 @@ class PackedArgs:
     def snapshot(self) -> tuple[tuple[int, int, int, int], bytes]:
         """(the slots of q, k_cache, v_cache, out: -1 where the kernel has none; the packed
         bytes as they are now), what hostpath.FastRun launches from."""
-        slots = (-1, -1, -1, 6) if self._kind == "merge" else (0, 1, 2, 3)
+        slots = (-1, -1, -1, _MERGE_OUT_SLOT) if self._kind == "merge" else (0, 1, 2, 3)
         return slots, bytes(self._bytes)
 
     def values(self) -> tuple:

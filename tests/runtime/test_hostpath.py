@@ -256,6 +256,7 @@ def test_the_python_path_can_be_chosen(monkeypatch):
 
 
 def test_a_failed_build_warns_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(hostpath, "_reason", None)  # restored after the test
     monkeypatch.setenv("ATTNLANG_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(hostpath.sysconfig, "get_config_var",
                         lambda name: "false" if name == "CC" else ".so")
