@@ -8,10 +8,14 @@ import pytest
 
 @pytest.fixture(autouse=True, scope="session")
 def _session_kernel_cache(tmp_path_factory):
-    # One cache for the session, so GPU tests compile each kernel once; tests that check the
-    # cache itself set their own directory per test (tests/runtime/test_compiler.py).
+    # One cache for the session, shared by the xdist workers (the compiler locks each entry
+    # across processes), so the suite compiles each kernel once; tests that check the cache
+    # itself set their own directory per test (tests/runtime/test_compiler.py).
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above each worker's own
     with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("ATTNLANG_CACHE_DIR", str(tmp_path_factory.mktemp("attnlang-cache")))
+        mp.setenv("ATTNLANG_CACHE_DIR", str(base / "attnlang-cache"))
         yield
 
 

@@ -130,6 +130,30 @@ def test_headers_are_spliced_verbatim():
     assert common in src
 
 
+def test_a_broken_template_cache_only_costs_time(tmp_path):
+    # Compiled templates are cached in the temp directory; a corrupt file or a directory that
+    # cannot be written must not break rendering.
+    from attnlang.codegen.render import _TemplateCache
+
+    hooks = lower(load(by_id("causal")))
+
+    def render_with(cache):
+        env = environment().overlay(bytecode_cache=cache)
+        return env.get_template("merge.cu.j2").render(**context(hooks, "merge", "float16", 64))
+
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    first = render_with(_TemplateCache(str(cache_dir), pattern="t-%s.cache"))
+    cached = list(cache_dir.iterdir())
+    assert cached
+    for path in cached:
+        path.write_bytes(b"garbage" * 10)
+    assert render_with(_TemplateCache(str(cache_dir), pattern="t-%s.cache")) == first
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    assert render_with(_TemplateCache(str(not_a_dir), pattern="t-%s.cache")) == first
+
+
 def test_strict_undefined_catches_a_missing_value():
     ctx = context(lower(load(by_id("causal"))), "decode", "bfloat16", 128)
     del ctx["params_init"]
