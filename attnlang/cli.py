@@ -48,7 +48,7 @@ def check(file):
     v = _load(file)
     stages = [s for s in ("query", "key", "value", "logits", "mask", "output") if v.stage(s)]
     params = ", ".join(
-        f"{p.name}: {p.type}" + (f"[{p.extent}]" if p.extent else "")
+        f"{p.name}: {p.declared}"
         + (f" = {p.default}" if p.default is not None else "") for p in v.params)
     click.echo(f"{file}: ok: variant {v.name}")
     click.echo(f"  stages:  {', '.join(stages) or '(none: plain attention)'}; "

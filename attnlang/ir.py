@@ -25,7 +25,7 @@ __all__ = [
     "Type", "BOOL", "INT", "FLOAT", "Expr", "Const", "Var", "Param", "ParamIndex", "Cast",
     "Unary", "Binary", "Call", "Reduce", "Rope", "ParamSpec", "Variant",
     "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX",
-    "SCALAR_FUNCS", "REDUCTIONS", "walk", "varies_with_dim",
+    "SCALAR_FUNCS", "REDUCTIONS", "MAX_TENSOR_ELEMENTS", "walk", "varies_with_dim",
 ]
 
 
@@ -56,6 +56,9 @@ INDEX_VARS: dict[str, tuple[Type, frozenset[str]]] = {
     "qo_len": (INT, _ALL),
     "kv_len": (INT, _ALL),
     "q_pos": (INT, frozenset({"query", "logits", "mask", "output"})),
+    # The query's row in its request, 0..qo_len-1 (FlexAttention's q_idx); the checker
+    # expands it to q_pos - (kv_len - qo_len).
+    "q_row": (INT, frozenset({"query", "logits", "mask", "output"})),
     "kv_pos": (INT, frozenset({"key", "value", "logits", "mask"})),
     "causal": (BOOL, frozenset({"logits", "mask"})),
     "logits": (FLOAT, frozenset({"logits"})),
@@ -72,14 +75,18 @@ INDEX_VARS: dict[str, tuple[Type, frozenset[str]]] = {
 }
 STAGE_VARS = INDEX_VARS  # alias used by the checker's hints
 
-# Tensor-param extents and the one index variable each may be indexed by.
+# Named tensor-param extents (their size is known at run time) and the one index variable
+# each may be indexed by. Other extents are fixed sizes (a literal or an int const).
 EXTENT_INDEX = {"heads": "head", "kv_heads": "kv_head", "batch": "batch", "dim": "dim"}
+# Largest number of elements of a tensor param's fixed extents.
+MAX_TENSOR_ELEMENTS = 2**31 - 1
 
 # Scalar functions: name -> number of arguments. `where` is typed specially by the checker.
 SCALAR_FUNCS = {
     "exp": 1, "exp2": 1, "log": 1, "log2": 1, "sqrt": 1, "rsqrt": 1, "tanh": 1,
-    "sigmoid": 1, "abs": 1, "floor": 1, "ceil": 1, "softplus": 1,
-    "min": 2, "max": 2, "pow": 2, "clamp": 3, "where": 3,
+    "sigmoid": 1, "abs": 1, "floor": 1, "ceil": 1, "softplus": 1, "erf": 1, "sin": 1, "cos": 1,
+    "int": 1, "float": 1,
+    "min": 2, "max": 2, "pow": 2, "mod": 2, "clamp": 3, "where": 3,
 }
 # Reductions over `dim` (one argument). `min`/`max` with two arguments are the scalar forms.
 REDUCTIONS = ("sum", "mean", "max", "min")
@@ -123,10 +130,16 @@ class Param(Expr):
 
 @dataclass(frozen=True)
 class ParamIndex(Expr):
-    """Element of a 1-D tensor param, `name[index]`; index is the Var of its extent."""
+    """Element of a tensor param, `name[i, j, ...]`: one int index per extent.
+
+    An axis of a named extent (EXTENT_INDEX) is indexed by its own Var; an axis of a fixed
+    extent by any int expression, and an index outside 0..extent-1 reads 0 (false for bool
+    tensors): nothing is read out of bounds.
+    """
 
     name: str
-    index: str  # one of EXTENT_INDEX's values: head, kv_head, batch, dim
+    indices: tuple[Expr, ...]
+    extents: tuple[str | int, ...]
     type: Type
     span: Span | None = _span()
 
@@ -142,7 +155,7 @@ class Cast(Expr):
 
 @dataclass(frozen=True)
 class Unary(Expr):
-    """op: "-" (int or float) or "not" (bool)."""
+    """op: "-" (int or float), "~" (int: bitwise not) or "not" (bool)."""
 
     op: str
     x: Expr
@@ -152,10 +165,12 @@ class Unary(Expr):
 
 @dataclass(frozen=True)
 class Binary(Expr):
-    """Arithmetic `+ - * / % **`, comparisons `< <= > >= == !=`, logic `and or`.
+    """Arithmetic `+ - * / // % **`, comparisons `< <= > >= == !=`, logic `and or`, and
+    on ints the bitwise `& | ^ << >>`.
 
     Operands already have matching types (the checker inserted Casts). `/` and `%` on two
-    ints truncate toward zero (C semantics); `**` is always float.
+    ints truncate toward zero (C semantics), `//` floors; `**` is always float. A shift count
+    outside 0..31 shifts every bit out (`<<` gives 0, `>>` 0 or -1); `<<` wraps in int32.
     """
 
     op: str
@@ -168,7 +183,8 @@ class Binary(Expr):
 @dataclass(frozen=True)
 class Call(Expr):
     """A scalar function of SCALAR_FUNCS. Float functions get float args (Cast inserted);
-    `min max abs clamp` keep ints when every argument is int; `where(c, a, b)`."""
+    `min max abs clamp mod` keep ints when every argument is int; `where(c, a, b)`;
+    `int(x)` truncates a float toward zero (saturating, NaN -> 0), `float(x)` converts."""
 
     fn: str
     args: tuple[Expr, ...]
@@ -205,17 +221,29 @@ class Rope(Expr):
 
 @dataclass(frozen=True)
 class ParamSpec:
-    """A declared run-time param. extent is None for scalars, else one of EXTENT_INDEX."""
+    """A declared run-time param. extents is () for scalars, else one entry per axis: a
+    name of EXTENT_INDEX or a fixed size. Scalars are INT or FLOAT; tensors may be BOOL."""
 
     name: str
-    type: Type  # INT or FLOAT
-    extent: str | None = None
+    type: Type
+    extents: tuple[str | int, ...] = ()
     default: int | float | None = None
     span: Span | None = _span()
 
     @property
     def is_tensor(self) -> bool:
-        return self.extent is not None
+        return bool(self.extents)
+
+    def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
+        """The tensor's shape, given the sizes of the named extents it uses."""
+        return tuple(sizes[e] if isinstance(e, str) else e for e in self.extents)
+
+    @property
+    def declared(self) -> str:
+        """The declaration's type, e.g. "float[heads, 32]"."""
+        if not self.extents:
+            return str(self.type)
+        return f"{self.type}[{', '.join(map(str, self.extents))}]"
 
 
 @dataclass(frozen=True)
@@ -264,6 +292,9 @@ def walk(e: Expr):
         yield from walk(e.x)
         yield from walk(e.pos)
         yield from walk(e.theta)
+    elif isinstance(e, ParamIndex):
+        for i in e.indices:
+            yield from walk(i)
 
 
 def varies_with_dim(e: Expr) -> bool:
@@ -274,7 +305,7 @@ def varies_with_dim(e: Expr) -> bool:
     if isinstance(e, Var):
         return e.name in ("q", "k", "v", "o", "dim")
     if isinstance(e, ParamIndex):
-        return e.index == "dim"
+        return any(varies_with_dim(i) for i in e.indices)
     if isinstance(e, Reduce):
         return False
     if isinstance(e, Rope):

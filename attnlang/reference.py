@@ -55,6 +55,45 @@ def _c_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.where((a < 0) != (b < 0), -q, q)
 
 
+def _floor_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`//`: floor division; on ints a zero divisor yields 0 (as `/`); on floats floor(a / b)."""
+    if a.dtype.kind == "f":
+        return np.floor(a / b)
+    return np.floor_divide(a, np.where(b == 0, 1, b)) * (b != 0)
+
+
+def _floor_mod(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """`mod(a, b)`: a - b * (a // b), the sign of b (Python's %); an int zero divisor gives 0."""
+    if a.dtype.kind == "f":
+        return a - b * np.floor(a / b)
+    return np.mod(a, np.where(b == 0, 1, b)) * (b != 0)
+
+
+def _int32(x: np.ndarray) -> np.ndarray:
+    """Wrap to int32 (two's complement), as the kernels' int arithmetic does."""
+    return np.asarray(x).astype(np.int64).astype(np.int32).astype(np.int64)
+
+
+def _shift_left(a: np.ndarray, n: np.ndarray) -> np.ndarray:
+    inside = (n >= 0) & (n <= 31)
+    return np.where(inside, _int32(np.left_shift(a, np.where(inside, n, 0))), 0)
+
+
+def _shift_right(a: np.ndarray, n: np.ndarray) -> np.ndarray:
+    inside = (n >= 0) & (n <= 31)
+    return np.where(inside, np.right_shift(a, np.where(inside, n, 0)), np.where(a < 0, -1, 0))
+
+
+def _to_int(x: np.ndarray) -> np.ndarray:
+    """`int(x)`: toward zero, saturating at the int32 range, NaN -> 0."""
+    x = np.asarray(x, np.float64)
+    clipped = np.clip(np.nan_to_num(x, nan=0.0), -2.0**31, 2.0**31 - 1)
+    return np.trunc(clipped).astype(np.int64)
+
+
+_erf = np.frompyfunc(math.erf, 1, 1)
+
+
 def _sigmoid(x: np.ndarray) -> np.ndarray:
     # exp(-x) overflows to inf for very negative x and 1 / inf = 0, the right limit.
     return np.reciprocal(1 + np.exp(-x))
@@ -71,6 +110,7 @@ def _clamp(x: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
 
 _UNARY: dict[str, Callable[[np.ndarray], np.ndarray]] = {
     "-": np.negative,
+    "~": np.invert,
     "not": np.logical_not,
 }
 
@@ -80,7 +120,9 @@ _BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
     "**": np.power,
     "<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
     "==": np.equal, "!=": np.not_equal,
-    "and": np.logical_and, "or": np.logical_or,
+    "and": np.logical_and, "or": np.logical_or, "//": _floor_div,
+    "&": np.bitwise_and, "|": np.bitwise_or, "^": np.bitwise_xor,
+    "<<": _shift_left, ">>": _shift_right,
 }
 # Where two ints differ from the float table.
 _INT_BINARY: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {"/": _c_div}
@@ -92,7 +134,8 @@ _CALLS: dict[str, Callable[..., np.ndarray]] = {
     "rsqrt": lambda x: np.reciprocal(np.sqrt(x)), "tanh": np.tanh, "sigmoid": _sigmoid,
     "abs": np.abs, "floor": np.floor, "ceil": np.ceil, "softplus": _softplus,
     "min": np.minimum, "max": np.maximum, "pow": np.power, "clamp": _clamp,
-    "where": np.where,
+    "where": np.where, "erf": lambda x: np.asarray(_erf(x), np.asarray(x).dtype),
+    "sin": np.sin, "cos": np.cos, "mod": _floor_mod,
 }
 
 _REDUCE: dict[str, Callable[..., np.ndarray]] = {
@@ -161,7 +204,14 @@ def _eval_param(e: ir.Param, s: _Scope) -> np.ndarray:
 
 
 def _eval_param_index(e: ir.ParamIndex, s: _Scope) -> np.ndarray:
-    return s.cast(s.params[e.name][s.read(e.index)], e.type)
+    """A gather from the table; an index outside its axis reads 0 (false)."""
+    table = s.params[e.name]
+    indices = np.broadcast_arrays(*(np.asarray(_eval(i, s), np.int64) for i in e.indices))
+    inside = np.ones(indices[0].shape, bool)
+    for index, n in zip(indices, table.shape, strict=True):
+        inside &= (index >= 0) & (index < n)
+    safe = tuple(np.where(inside, index, 0) for index in indices)
+    return s.cast(np.where(inside, table[safe], 0), e.type)
 
 
 def _eval_cast(e: ir.Cast, s: _Scope) -> np.ndarray:
@@ -186,6 +236,8 @@ def _eval_binary(e: ir.Binary, s: _Scope) -> np.ndarray:
 
 def _eval_call(e: ir.Call, s: _Scope) -> np.ndarray:
     args = [_eval(a, s) for a in e.args]
+    if e.fn == "int":
+        return _to_int(s.cast(args[0], ir.FLOAT))
     if e.fn == "where":
         cond, a, b = args
         return np.where(s.cast(cond, ir.BOOL), s.cast(a, e.type), s.cast(b, e.type))
@@ -290,7 +342,7 @@ def _scalar(x, name: str) -> float:
 
 
 def _describe(p: ir.ParamSpec) -> str:
-    return f"param {p.name}: {p.type}" + (f"[{p.extent}]" if p.extent else "")
+    return f"param {p.name}: {p.declared}"
 
 
 def _check_params(v: ir.Variant, params, extents: dict[str, int]) -> dict[str, np.ndarray]:
@@ -314,9 +366,9 @@ def _check_params(v: ir.Variant, params, extents: dict[str, int]) -> dict[str, n
             )
     out: dict[str, np.ndarray] = {}
     for p in v.params:
-        wanted = "integer" if p.type is ir.INT else "real"
-        kinds = "iu" if p.type is ir.INT else "fiu"
-        dtype = np.int64 if p.type is ir.INT else np.float64
+        wanted = {ir.INT: "integer", ir.FLOAT: "real", ir.BOOL: "bool"}[p.type]
+        kinds = {ir.INT: "iu", ir.FLOAT: "fiu", ir.BOOL: "b"}[p.type]
+        dtype = {ir.INT: np.int64, ir.FLOAT: np.float64, ir.BOOL: np.bool_}[p.type]
         if p.name not in params:
             if p.is_tensor or p.default is None:
                 raise ValueError(
@@ -332,17 +384,18 @@ def _check_params(v: ir.Variant, params, extents: dict[str, int]) -> dict[str, n
                 f"got dtype {arr.dtype}"
             )
         if p.is_tensor:
-            n = extents[p.extent]
-            if arr.shape != (n,):
+            shape = p.shape(extents)
+            if arr.shape != shape:
+                named = ", ".join(f"{e} = {extents[e]}" for e in p.extents if isinstance(e, str))
                 raise ValueError(
-                    f"params[{p.name!r}]: {_describe(p)} must have shape ({n},) "
-                    f"({p.extent} = {n}), got shape {arr.shape}"
+                    f"params[{p.name!r}]: {_describe(p)} must have shape {shape}"
+                    + (f" ({named})" if named else "") + f", got shape {arr.shape}"
                 )
         elif arr.ndim != 0:
             raise ValueError(
                 f"params[{p.name!r}]: {_describe(p)} is a scalar, got shape {arr.shape}"
             )
-        out[p.name] = arr.astype(dtype)
+        out[p.name] = arr.astype(dtype, copy=False)
     return out
 
 

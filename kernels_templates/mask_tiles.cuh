@@ -93,6 +93,27 @@ ATTNLANG_HD IvI iv_mod(IvI a, IvI b) {
   return {a.lo >= 0 ? 0 : -m, a.hi <= 0 ? 0 : m};
 }
 ATTNLANG_HD IvF iv_mod(IvF, IvF) { return IvF::top(); }
+// Python's // and mod(): floor division by a fixed divisor is monotone in the dividend, and
+// mod(x, c) lies between 0 and c (excluded) with the sign of c. A zero divisor yields 0.
+ATTNLANG_HD long long floor_div_ll(long long a, long long b) {
+  const long long q = a / b;
+  return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+ATTNLANG_HD IvI iv_floordiv(IvI a, IvI b) {
+  if (b.lo != b.hi) return IvI::top();
+  if (b.lo == 0) return IvI::point(0);
+  const long long q1 = floor_div_ll(a.lo, b.lo), q2 = floor_div_ll(a.hi, b.lo);
+  return {mn(q1, q2), mx(q1, q2)};
+}
+ATTNLANG_HD IvF iv_floordiv(IvF, IvF) { return IvF::top(); }
+ATTNLANG_HD IvI iv_floormod(IvI a, IvI b) {
+  if (b.lo != b.hi) return IvI::top();
+  const long long c = b.lo;
+  if (c == 0) return IvI::point(0);
+  if (c > 0) return (a.lo >= 0 && a.hi < c) ? a : IvI{0, c - 1};
+  return (a.hi <= 0 && a.lo > c) ? a : IvI{c + 1, 0};
+}
+ATTNLANG_HD IvF iv_floormod(IvF, IvF) { return IvF::top(); }
 
 ATTNLANG_HD IvI iv_min(IvI a, IvI b) { return {mn(a.lo, b.lo), mn(a.hi, b.hi)}; }
 ATTNLANG_HD IvF iv_min(IvF a, IvF b) { return {fmn(a.lo, b.lo), fmn(a.hi, b.hi)}; }

@@ -98,6 +98,8 @@ class Paper:
     mask: Callable = lambda qp, kp, b, P: np.ones(np.shape(kp), bool)
     output: Callable = _ident
     softmax: bool = True
+    # A mask that also reads the query's row in its request: (q_pos, q_row, kv_pos, b, P).
+    row_mask: Callable | None = None
 
 
 @dataclass
@@ -131,6 +133,47 @@ def _kitchen_sink_mask(qp, kp, b, P):
 def _kitchen_sink_output(o, qp, b, h, P):
     odd = np.arange(o.shape[-1]) % 2 == 1
     return o / (1 + math.exp(-P["gate"][h])) + np.where(odd, 0.01 * o.mean(), 0.0)
+
+
+def _take(table, *index):
+    """table[index], 0 (false) where any index is outside its axis."""
+    index = np.broadcast_arrays(*(np.asarray(i) for i in index))
+    inside = np.ones(index[0].shape, bool)
+    for i, n in zip(index, table.shape, strict=True):
+        inside &= (i >= 0) & (i < n)
+    return np.where(inside, table[tuple(np.where(inside, i, 0) for i in index)], 0)
+
+
+def _t5_bucket(qp, kp):
+    """T5's unidirectional bucket (transformers' _relative_position_bucket), vectorised."""
+    rp = np.maximum(qp - kp, 0)
+    with np.errstate(divide="ignore"):
+        large = 16 + (np.log(rp / 16) / math.log(8) * 16)
+    large = np.minimum(np.where(rp < 16, 0, large).astype(np.int64), 31)
+    return np.where(rp < 16, rp, large)
+
+
+_erf = np.vectorize(math.erf)
+
+
+def _natten(qp, kp):
+    def pixel(i):
+        t, inside = np.divmod(i, 64)
+        return (t // 8) * 8 + inside // 8, (t % 8) * 8 + inside % 8
+    (qy, qx), (ky, kx) = pixel(qp), pixel(kp)
+    y0, x0 = np.clip(qy - 3, 0, 57), np.clip(qx - 3, 0, 57)
+    return (ky >= y0) & (ky < y0 + 7) & (kx >= x0) & (kx < x0 + 7)
+
+
+def _tables_logits(s, qp, kp, b, h, n, P):
+    rel = qp - kp
+    return s + _take(P["bias"][h], rel // 8, qp % 4) + 0.1 * _erf(s)
+
+
+def _tables_mask(qp, qr, kp, b, P):
+    near = (kp ^ qp) < 24
+    keep = _take(P["keep"][b], kp).astype(bool)
+    return (keep | near) & (int(qp * 0.5) >= kp // 2 - 3 - qr) & ~(kp * 2 == -2)
 
 
 PAPERS: dict[str, Paper] = {
@@ -188,6 +231,42 @@ PAPERS: dict[str, Paper] = {
         key=lambda x, kp, b, kvh, P: rope_pairs(x, kp, 1e4),
         mask=lambda qp, kp, b, P: causal(qp, kp),
     ),
+    "t5_bias": Paper(
+        params=lambda rng, dims: {"bias": rng.standard_normal((dims.hq, 32))},
+        logits=lambda s, qp, kp, b, h, n, P: s + P["bias"][h][_t5_bucket(qp, kp)],
+        mask=lambda qp, kp, b, P: causal(qp, kp),
+    ),
+    "swin_bias": Paper(  # positions past the 7x7 window index outside the table: no bias
+        params=lambda rng, dims: {"bias": rng.standard_normal((dims.hq, 13, 13))},
+        logits=lambda s, qp, kp, b, h, n, P: s + _take(
+            P["bias"][h], qp // 7 - kp // 7 + 6, qp % 7 - kp % 7 + 6),
+    ),
+    "longformer": Paper(
+        params=lambda rng, dims: {"is_global": rng.random((dims.batch, 16384)) < 0.05},
+        mask=lambda qp, kp, b, P: ((np.abs(qp - kp) <= 256) | P["is_global"][b][kp]
+                                   | P["is_global"][b][qp]),
+    ),
+    "flamingo_xattn": Paper(
+        params=lambda rng, dims: {"text_image": rng.integers(0, 3, (dims.batch, 8192)),
+                                  "key_image": rng.integers(1, 3, (dims.batch, 4096))},
+        row_mask=lambda qp, qr, kp, b, P: ((P["text_image"][b][qr] != 0)
+                                           & (P["key_image"][b][kp] == P["text_image"][b][qr])),
+    ),
+    "natten_tiled": Paper(mask=lambda qp, kp, b, P: _natten(qp, kp)),
+    "gelu_attention": Paper(
+        logits=lambda s, qp, kp, b, h, n, P: 0.5 * s * (1 + _erf(s / math.sqrt(2))) / (qp + 1),
+        mask=lambda qp, kp, b, P: causal(qp, kp),
+        softmax=False,
+    ),
+    "tables": Paper(
+        params=lambda rng, dims: {"bias": rng.standard_normal((dims.hq, 8, 4)),
+                                  "keep": rng.random((dims.batch, 64)) < 0.3,
+                                  "shift": rng.integers(-9, 9, (dims.hkv, 3))},
+        key=lambda x, kp, b, kvh, P: (x * (1 + 0.01 * (P["shift"][kvh][kp % 3] & 3))[:, None]
+                                      + (0.01 * np.sin(kp) * np.cos(kp >> 1))[:, None]),
+        logits=_tables_logits,
+        row_mask=_tables_mask,
+    ),
     "kitchen_sink": Paper(
         params=_kitchen_sink_params,
         query=lambda x, qp, b, h, P: x * (1 + abs(c_mod(qp, 3))) ** 0.25 / math.sqrt(2 + 1),
@@ -234,7 +313,9 @@ def paper_attention(paper: Paper, P, q, k, v, qo_indptr, kv_indptr, sm_scale):
                 q_pos = kv_len - len(rows) + i
                 qv = paper.query(q[row, h], q_pos, b, h, P)
                 s = paper.logits(sm_scale * (keys @ qv), q_pos, kv_pos, b, h, kv_len, P)
-                seen = np.broadcast_to(paper.mask(q_pos, kv_pos, b, P), (kv_len,))
+                seen = (paper.mask(q_pos, kv_pos, b, P) if paper.row_mask is None
+                        else paper.row_mask(q_pos, i, kv_pos, b, P))
+                seen = np.broadcast_to(seen, (kv_len,))
                 oi = np.zeros(d)
                 if paper.softmax and seen.any():
                     top = s[seen].max()

@@ -11,9 +11,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import numpy as np
-
 from attnlang import ir
+from attnlang.codegen.fold import RANGE_HINT, ConstRangeError, fold, out_of_range, show
 from attnlang.errors import (
     AttnDeclarationError,
     AttnError,
@@ -27,17 +26,23 @@ from attnlang.errors import (
 from attnlang.grammar import ast
 from attnlang.ir import BOOL, FLOAT, INT, Type
 
-__all__ = ["check", "fold"]
+__all__ = ["check"]
 
 _TYPES = {"float": FLOAT, "int": INT, "bool": BOOL}
 _ROPE_FUNCS = ("rope", "rope_interleaved")
 _ALL_FUNCS = tuple(ir.SCALAR_FUNCS) + ir.REDUCTIONS + _ROPE_FUNCS
-_KEYWORDS = {"variant", "param", "const", "softmax", "on", "off", "and", "or", "not", "true",
-             "false", "where"}
+_KEYWORDS = {"variant", "param", "const", "let", "softmax", "on", "off", "and", "or", "not",
+             "true", "false", "where"}
 # Names a declaration may not take.
 _RESERVED = set(ir.INDEX_VARS) | set(_ALL_FUNCS) | {"float", "int", "bool"} | _KEYWORDS
-# Float-only scalar functions (min/max/abs/clamp keep ints; where is typed apart).
-_INT_KEEPING = ("min", "max", "abs", "clamp")
+# Float-only scalar functions (these keep ints; where, int and float are typed apart).
+_INT_KEEPING = ("min", "max", "abs", "clamp", "mod")
+# Bitwise operators; on two bools the first three are the logical and, or and xor.
+_BITWISE = ("&", "|", "^", "<<", ">>")
+_BOOL_BITWISE = {"&": "and", "|": "or", "^": "!="}
+# The stage a let's body is checked in at its declaration: every name resolves, scopes are
+# checked later, at each stage that uses the let.
+_ANY_STAGE = "*"
 
 
 class _Poison(Exception):
@@ -71,13 +76,22 @@ class _Checker:
         self.params: dict[str, ir.ParamSpec] = {}
         self.consts: dict[str, _Const] = {}
         self.declared_at: dict[str, Span] = {}
+        self.lets: dict[str, ast.LetDecl] = {}
+        self.let_values: dict[tuple[str, str], ir.Expr | None] = {}  # (let, stage) -> IR
+        self.let_uses: list[tuple[str, Span]] = []  # the lets being expanded, innermost last
         # Names whose declaration had an error: uses stay silent (no cascade of errors).
         self.broken: set[str] = set()
 
     # ---- errors ----
 
     def error(self, cls: type[AttnError], message: str, span: Span | None, hint: str | None = None):
-        self.errors.append(cls(message, span, hint, self.source))
+        if self.let_uses and cls is AttnScopeError:
+            name, use = self.let_uses[-1]
+            hint = f"{hint}; let '{name}' is used at line {use.line}" if hint else None
+        err = cls(message, span, hint, self.source)
+        # A let's body is checked once per stage that uses it: report each error once.
+        if not any(type(e) is cls and str(e) == str(err) for e in self.errors):
+            self.errors.append(err)
 
     def fail(self, cls: type[AttnError], message: str, span: Span | None, hint: str | None = None):
         self.error(cls, message, span, hint)
@@ -89,6 +103,8 @@ class _Checker:
         # Every const of the file, to explain a use before its declaration.
         self.all_consts = {item.name: item.name_span for item in module.items
                            if isinstance(item, ast.ConstDecl)}
+        self.all_lets = {item.name: item.name_span for item in module.items
+                         if isinstance(item, ast.LetDecl)}
         stages: dict[str, ir.Expr | None] = {}
         stage_spans: dict[str, Span] = {}
         softmax = True
@@ -97,6 +113,8 @@ class _Checker:
                 self.declare_param(item)
             elif isinstance(item, ast.ConstDecl):
                 self.declare_const(item)
+            elif isinstance(item, ast.LetDecl):
+                self.declare_let(item)
             elif isinstance(item, ast.StageDecl):
                 if item.stage in stage_spans:
                     first = stage_spans[item.stage]
@@ -150,19 +168,18 @@ class _Checker:
         ok = self.declare_name(d.name, d.name_span)
         self.broken.add(d.name)  # until it is fully declared
         ty = _TYPES.get(d.type_name)
-        if ty not in (INT, FLOAT):
-            hint = "params are 'float' or 'int' (a bool switch is a const)"
-            self.error(AttnTypeError, f"unknown param type '{d.type_name}'", d.type_span, hint)
+        if ty is None or (ty is BOOL and not d.extents):
+            hint = ("params are 'float' or 'int', tensors also 'bool' (a bool switch is a "
+                    "const)")
+            self.error(AttnTypeError, f"unknown param type '{d.type_name}'"
+                       if ty is None else "a scalar param cannot be bool", d.type_span, hint)
             return
-        if d.extent is not None and d.extent not in ir.EXTENT_INDEX:
-            hint = did_you_mean(d.extent, ir.EXTENT_INDEX) or (
-                "extents are " + ", ".join(ir.EXTENT_INDEX))
-            self.error(AttnDeclarationError, f"unknown tensor extent '{d.extent}'",
-                       d.extent_span, hint)
+        extents = self.extents(d)
+        if extents is None:
             return
         default = None
         if d.default is not None:
-            if d.extent is not None:
+            if extents:
                 self.error(AttnDeclarationError, f"tensor param '{d.name}' cannot have a default",
                            d.default.span, "pass the tensor to run()")
                 return
@@ -174,12 +191,47 @@ class _Checker:
             problem = out_of_range(d.default.value, ty)
             if problem:
                 self.error(AttnTypeError, f"default of param '{d.name}' {problem} (it is "
-                           f"{_show(d.default.value)})", d.default.span, _RANGE_HINT[ty])
+                           f"{show(d.default.value)})", d.default.span, RANGE_HINT[ty])
                 return
             default = float(d.default.value) if ty is FLOAT else int(d.default.value)
         if ok:
-            self.params[d.name] = ir.ParamSpec(d.name, ty, d.extent, default, d.span)
+            self.params[d.name] = ir.ParamSpec(d.name, ty, extents, default, d.span)
             self.broken.discard(d.name)
+
+    def extents(self, d: ast.ParamDecl) -> tuple[str | int, ...] | None:
+        """A tensor param's extents: named ones as they are, consts by value; None after an
+        error."""
+        out: list[str | int] = []
+        for axis, (ext, span) in enumerate(zip(d.extents, d.extent_spans, strict=True)):
+            if isinstance(ext, str) and ext in self.consts:
+                const = self.consts[ext]
+                if const.type is not INT:
+                    self.error(AttnTypeError, f"extent '{ext}' must be an int const, found "
+                               f"{const.type}", span)
+                    return None
+                ext = const.value
+            if isinstance(ext, int):
+                if not 1 <= ext <= ir.MAX_TENSOR_ELEMENTS:
+                    self.error(AttnDeclarationError, f"an extent must be from 1 to "
+                               f"{ir.MAX_TENSOR_ELEMENTS}, found {ext}", span)
+                    return None
+            elif ext not in ir.EXTENT_INDEX:
+                named = [c for c, v in self.consts.items() if v.type is INT]
+                hint = did_you_mean(ext, [*ir.EXTENT_INDEX, *named]) or (
+                    "an extent is " + ", ".join(ir.EXTENT_INDEX) + ", a number or an int const")
+                self.error(AttnDeclarationError, f"unknown tensor extent '{ext}'", span, hint)
+                return None
+            elif ext == "batch" and axis > 0:
+                self.error(AttnDeclarationError, "'batch' can only be the first extent", span,
+                           "the kernels stride by the other extents only: declare [batch, ...]")
+                return None
+            out.append(ext)
+        fixed = math.prod(e for e in out if isinstance(e, int))
+        if fixed > ir.MAX_TENSOR_ELEMENTS:
+            self.error(AttnDeclarationError, f"tensor param '{d.name}' has {fixed} elements per "
+                       f"run-time extent, more than {ir.MAX_TENSOR_ELEMENTS}", d.extent_spans[0])
+            return None
+        return tuple(out)
 
     def declare_const(self, d: ast.ConstDecl):
         ok = self.declare_name(d.name, d.name_span)
@@ -206,6 +258,33 @@ class _Checker:
         if ok:
             self.consts[d.name] = _Const(ty, e.value)
             self.broken.discard(d.name)
+
+    def declare_let(self, d: ast.LetDecl):
+        """A let's body is checked here once for its names and types; each stage that uses
+        it checks it again in its own scope (`let_value`)."""
+        ok = self.declare_name(d.name, d.name_span)
+        self.broken.add(d.name)
+        try:
+            self.expr(d.expr, _ANY_STAGE)
+        except _Poison:
+            return
+        if ok:
+            self.lets[d.name] = d
+            self.broken.discard(d.name)
+
+    def let_value(self, name: str, use: Span, stage: str) -> ir.Expr:
+        key = (name, stage)
+        if key not in self.let_values:
+            self.let_values[key] = None  # an error inside is reported once per stage
+            self.let_uses.append((name, use))
+            try:
+                self.let_values[key] = self.expr(self.lets[name].expr, stage)
+            finally:
+                self.let_uses.pop()
+        value = self.let_values[key]
+        if value is None:
+            raise _Poison
+        return value
 
     # ---- stages ----
 
@@ -255,9 +334,9 @@ class _Checker:
         problem = out_of_range(n.value, INT if n.is_int else FLOAT)
         if problem:
             shown = ("overflows to infinity" if n.value == math.inf
-                     else f"{_show(n.value)} {problem}")
+                     else f"{show(n.value)} {problem}")
             self.fail(AttnTypeError, f"the literal {shown}", n.span,
-                      _RANGE_HINT[INT if n.is_int else FLOAT])
+                      RANGE_HINT[INT if n.is_int else FLOAT])
         return ir.Const(n.value, INT if n.is_int else FLOAT, n.span)
 
     def fold(self, e: ir.Expr) -> ir.Expr:
@@ -266,7 +345,7 @@ class _Checker:
             return fold(e)
         except ConstRangeError as err:
             self.fail(AttnTypeError, f"this constant expression {err.problem}", e.span,
-                      _RANGE_HINT.get(e.type))
+                      RANGE_HINT.get(e.type))
 
     def expr_Boolean(self, n: ast.Boolean, stage):
         return ir.Const(n.value, BOOL, n.span)
@@ -278,16 +357,17 @@ class _Checker:
             c = self.consts[n.id]
             return ir.Const(c.value, c.type, n.span)
         if stage is None:  # inside a const declaration
-            if n.id in self.params or n.id in ir.INDEX_VARS:
+            if n.id in self.params or n.id in ir.INDEX_VARS or n.id in self.lets:
                 self.fail(AttnDeclarationError, f"a const cannot use '{n.id}'", n.span,
                           "a const may use literals and earlier consts only")
             self.unknown_name(n.id, n.span, stage)
+        if n.id in self.lets:
+            return self.let_value(n.id, n.span, stage)
         if n.id in self.params:
             p = self.params[n.id]
             if p.is_tensor:
-                idx = ir.EXTENT_INDEX[p.extent]
                 self.fail(AttnTypeError, f"tensor param '{n.id}' must be indexed", n.span,
-                          f"write {n.id}[{idx}]")
+                          f"write {n.id}[{_index_hint(p)}]")
             return ir.Param(n.id, p.type, n.span)
         if n.id in ir.INDEX_VARS:
             self.check_scope(n.id, stage, n.span)
@@ -296,6 +376,10 @@ class _Checker:
                 kv_pos = ir.Var("kv_pos", INT, n.span)
                 q_pos = ir.Var("q_pos", INT, n.span)
                 return ir.Binary("<=", kv_pos, q_pos, BOOL, n.span)
+            if n.id == "q_row":  # q_pos - (kv_len - qo_len): the backends know q_pos only
+                offset = ir.Binary("-", ir.Var("kv_len", INT, n.span),
+                                   ir.Var("qo_len", INT, n.span), INT, n.span)
+                return ir.Binary("-", ir.Var("q_pos", INT, n.span), offset, INT, n.span)
             return ir.Var(n.id, ty, n.span)
         self.unknown_name(n.id, n.span, stage)
 
@@ -305,12 +389,18 @@ class _Checker:
                       f"write {name}(...)")
         visible = set(self.consts)
         if stage is not None:
-            visible |= set(self.params)
-            visible |= {v for v, (_, stages) in ir.INDEX_VARS.items() if stage in stages}
+            visible |= set(self.params) | set(self.lets)
+            visible |= {v for v, (_, stages) in ir.INDEX_VARS.items()
+                        if stage in stages or stage == _ANY_STAGE}
         later = self.all_consts.get(name)
         if later is not None and stage is None:
             self.fail(AttnNameError, f"const '{name}' is used before its declaration", span,
                       f"a const sees only the consts declared above it; '{name}' is declared "
+                      f"at line {later.line}: move it up")
+        later = self.all_lets.get(name)
+        if later is not None and stage is not None:
+            self.fail(AttnNameError, f"let '{name}' is used before its declaration", span,
+                      f"a let is visible below its declaration only; '{name}' is declared "
                       f"at line {later.line}: move it up")
         hint = did_you_mean(name, visible) or did_you_mean(name, ir.INDEX_VARS)
         if hint is None and stage is not None:
@@ -319,7 +409,7 @@ class _Checker:
 
     def check_scope(self, name: str, stage: str | None, span: Span):
         allowed = ir.INDEX_VARS[name][1]
-        if stage in allowed:
+        if stage in allowed or stage == _ANY_STAGE:
             return
         where = ", ".join(s for s in ir.STAGES if s in allowed)
         self.fail(AttnScopeError, f"'{name}' is not visible in the {stage} stage", span,
@@ -333,26 +423,44 @@ class _Checker:
             raise _Poison
         p = self.params.get(n.name)
         if p is None:
-            if n.name in ir.INDEX_VARS or n.name in self.consts:
-                self.fail(AttnTypeError, f"'{n.name}' is a scalar and cannot be indexed", n.span)
-            self.unknown_name(n.name, n.span, stage)
+            if n.name in ir.INDEX_VARS or n.name in self.consts or n.name in self.lets:
+                self.fail(AttnTypeError, f"'{n.name}' is a scalar and cannot be indexed",
+                          n.name_span)
+            self.unknown_name(n.name, n.name_span, stage)
         if not p.is_tensor:
-            self.fail(AttnTypeError, f"scalar param '{n.name}' cannot be indexed", n.span,
+            self.fail(AttnTypeError, f"scalar param '{n.name}' cannot be indexed", n.name_span,
                       f"declare it as 'param {n.name}: {p.type}[heads]' (or kv_heads, batch, "
-                      "dim) to pass a tensor")
-        want = ir.EXTENT_INDEX[p.extent]
-        if n.index != want:
-            self.fail(AttnTypeError,
-                      f"'{n.name}' has extent {p.extent} and is indexed by '{want}', not "
-                      f"'{n.index}'", n.index_span, f"write {n.name}[{want}]")
-        self.check_scope(want, stage, n.index_span)
-        return ir.ParamIndex(n.name, want, p.type, n.span)
+                      "dim, a number or an int const; several for a table) to pass a tensor")
+        if len(n.indices) != len(p.extents):
+            self.fail(AttnTypeError, f"'{n.name}' is {p.declared}: it takes {len(p.extents)} "
+                      f"ind{'ex' if len(p.extents) == 1 else 'ices'}, found {len(n.indices)}",
+                      n.span, f"write {n.name}[{_index_hint(p)}]")
+        indices = self.exprs(n.indices, stage)
+        for axis, (extent, node, e) in enumerate(zip(p.extents, n.indices, indices, strict=True)):
+            if isinstance(extent, str):
+                want = ir.EXTENT_INDEX[extent]
+                if not (isinstance(node, ast.Name) and node.id == want):
+                    self.fail(AttnTypeError, f"axis {axis} of '{n.name}' has extent {extent} and "
+                              f"is indexed by '{want}'", node.span,
+                              f"write {want} there; a computed index needs a fixed extent, "
+                              "such as [32] or an int const")
+            elif e.type is not INT:
+                self.fail(AttnTypeError, f"an index of '{n.name}' must be int, found {e.type}",
+                          node.span, "convert a float with int(x) (toward zero) or "
+                          "int(floor(x))" if e.type is FLOAT else None)
+            elif isinstance(e, ir.Const) and not 0 <= e.value < extent:
+                self.fail(AttnTypeError, f"index {e.value} is outside axis {axis} of "
+                          f"'{n.name}' (0 to {extent - 1})", node.span)
+        return ir.ParamIndex(n.name, tuple(indices), p.extents, p.type, n.span)
 
     def expr_UnaryOp(self, n: ast.UnaryOp, stage):
         x = self.expr(n.x, stage)
-        if n.op == "not":
-            self.need(x, BOOL, n.x.span, "'not'")
+        if n.op == "not" or (n.op == "~" and x.type is BOOL):  # ~ on a bool: torch's not
+            self.need(x, BOOL, n.x.span, f"'{n.op}'")
             return self.fold(ir.Unary("not", x, BOOL, n.span))
+        if n.op == "~":
+            self.need(x, INT, n.x.span, "'~'")
+            return self.fold(ir.Unary("~", x, INT, n.span))
         self.need_number(x, n.x.span, "unary '-'")
         return self.fold(ir.Unary("-", x, x.type, n.span))
 
@@ -365,6 +473,17 @@ class _Checker:
             return self.fold(ir.Binary(op, a, b, BOOL, n.span))
         if op in ("==", "!=") and a.type is BOOL and b.type is BOOL:
             return self.fold(ir.Binary(op, a, b, BOOL, n.span))
+        if op in _BOOL_BITWISE and a.type is BOOL and b.type is BOOL:
+            return self.fold(ir.Binary(_BOOL_BITWISE[op], a, b, BOOL, n.span))
+        if op in _BITWISE:
+            if a.type is not INT or b.type is not INT:
+                self.fail(AttnTypeError, f"'{op}' takes two ints"
+                          + (" or two bools" if op in _BOOL_BITWISE else "")
+                          + f", found {a.type} and {b.type}", n.span, _bitwise_hint(a, b))
+            if op in ("<<", ">>") and isinstance(b, ir.Const) and not 0 <= b.value <= 31:
+                self.fail(AttnTypeError, f"shift count {b.value} is outside 0 to 31", n.b.span,
+                          "ints are 32-bit")
+            return self.fold(ir.Binary(op, a, b, INT, n.span))
         self.need_number(a, n.a.span, f"'{op}'")
         self.need_number(b, n.b.span, f"'{op}'")
         if op == "**":
@@ -373,8 +492,8 @@ class _Checker:
         if a.type is not b.type:
             a, b = self.to_float(a, n.a.span), self.to_float(b, n.b.span)
         ty = BOOL if op in ("<", "<=", ">", ">=", "==", "!=") else a.type
-        if op in ("/", "%") and isinstance(b, ir.Const) and b.type is INT and b.value == 0:
-            self.fail(AttnTypeError, f"integer {'division' if op == '/' else 'modulo'} by zero",
+        if op in ("/", "//", "%") and isinstance(b, ir.Const) and b.type is INT and b.value == 0:
+            self.fail(AttnTypeError, f"integer {'modulo' if op == '%' else 'division'} by zero",
                       n.b.span)
         return self.fold(ir.Binary(op, a, b, ty, n.span))
 
@@ -413,13 +532,20 @@ class _Checker:
             return self.fold(ir.Call("where", (args[0], a, b), a.type, n.span))
         for a, s in zip(args, spans, strict=True):
             self.need_number(a, s, f"{f}()")
+        if f == "float":
+            return self.to_float(args[0], spans[0])
+        if f == "int":
+            return args[0] if args[0].type is INT else self.fold(
+                ir.Call("int", (args[0],), INT, n.span))
         if f in _INT_KEEPING and all(a.type is INT for a in args):
+            if f == "mod" and isinstance(args[1], ir.Const) and args[1].value == 0:
+                self.fail(AttnTypeError, "integer modulo by zero", spans[1])
             return self.fold(ir.Call(f, tuple(args), INT, n.span))
         args = [self.to_float(a, s) for a, s in zip(args, spans, strict=True)]
         return self.fold(ir.Call(f, tuple(args), FLOAT, n.span))
 
     def vector_stage_only(self, n: ast.Call, stage):
-        if stage not in ir.VECTOR_STAGES:
+        if stage not in ir.VECTOR_STAGES and stage != _ANY_STAGE:
             where = "a const" if stage is None else f"the {stage} stage"
             self.fail(AttnScopeError, f"{n.func}() works on head vectors and cannot be used in "
                       f"{where}", n.func_span,
@@ -479,133 +605,15 @@ class _Checker:
         return self.fold(ir.Cast(e, FLOAT, span)) if e.type is INT else e
 
 
-# ---- constant folding ----------------------------------------------------------------------
+def _index_hint(p: ir.ParamSpec) -> str:
+    """How to index p: its named extents' variables, `i` for a fixed extent."""
+    return ", ".join(ir.EXTENT_INDEX[e] if isinstance(e, str) else "i" for e in p.extents)
 
 
-def _c_div(a: int, b: int) -> int:
-    q = abs(a) // abs(b)
-    return q if (a >= 0) == (b >= 0) else -q
-
-
-def _c_mod(a: int, b: int) -> int:
-    return a - b * _c_div(a, b)
-
-
-_FOLD_BINARY = {
-    "+": lambda a, b: a + b,
-    "-": lambda a, b: a - b,
-    "*": lambda a, b: a * b,
-    "**": lambda a, b: float(a) ** float(b),
-    "<": lambda a, b: a < b,
-    "<=": lambda a, b: a <= b,
-    ">": lambda a, b: a > b,
-    ">=": lambda a, b: a >= b,
-    "==": lambda a, b: a == b,
-    "!=": lambda a, b: a != b,
-    "and": lambda a, b: a and b,
-    "or": lambda a, b: a or b,
-}
-
-_FOLD_CALL = {
-    "exp": math.exp, "exp2": lambda x: 2.0**x, "log": math.log, "log2": math.log2,
-    "sqrt": math.sqrt, "rsqrt": lambda x: 1.0 / math.sqrt(x), "tanh": math.tanh,
-    "sigmoid": lambda x: 1.0 / (1.0 + math.exp(-x)), "abs": abs, "floor": math.floor,
-    "ceil": math.ceil, "softplus": lambda x: max(x, 0.0) + math.log1p(math.exp(-abs(x))),
-    "min": min, "max": max, "pow": lambda a, b: float(a) ** float(b),
-    "clamp": lambda x, lo, hi: min(max(x, lo), hi), "where": lambda c, a, b: a if c else b,
-}
-
-
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_FLT_MAX = float(np.finfo(np.float32).max)
-_RANGE_HINT = {
-    INT: "ints are 32-bit: from -2147483648 to 2147483647",
-    FLOAT: "floats are 32-bit: finite, of magnitude at most 3.4028235e38",
-    BOOL: None,
-}
-
-
-class ConstRangeError(ValueError):
-    """A constant (literal or folded) outside its type's range; `problem` says how."""
-
-    def __init__(self, problem: str):
-        super().__init__(problem)
-        self.problem = problem
-
-
-def out_of_range(value, ty: Type) -> str | None:
-    """Why `value` cannot be a constant of type ty (None if it can): ints are int32, floats
-    finite float32 (a decimal that rounds to float32's largest finite value is fine).
-
-    >>> out_of_range(2**31, INT)
-    'does not fit in a 32-bit int'
-    """
-    if isinstance(value, complex):
-        return "is not a real number"
-    if ty is INT and not _INT32_MIN <= int(value) <= _INT32_MAX:
-        return "does not fit in a 32-bit int"
-    if ty is FLOAT:
-        v = float(value)
-        if math.isnan(v):
-            return "is not a number (NaN)"
-        with np.errstate(over="ignore"):
-            if not np.isfinite(np.float32(v)):
-                return "is not a finite 32-bit float"
+def _bitwise_hint(a: ir.Expr, b: ir.Expr) -> str | None:
+    if BOOL in (a.type, b.type):
+        return ("'&', '|' and '^' bind tighter than comparisons, as in Python: write "
+                "(a < b) & (c < d), or use 'and' / 'or'")
+    if FLOAT in (a.type, b.type):
+        return "convert a float with int(x)"
     return None
-
-
-def _show(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 24 else f"{text[:10]}...{text[-6:]} ({len(text)} digits)"
-
-
-def fold(e: ir.Expr) -> ir.Expr:
-    """Evaluate e if all its operands are constants (C semantics for int / and %).
-
-    Leaves e unchanged when an operand is not constant. Raises ConstRangeError when the
-    value would leave int32 / finite float32 or is undefined (division by zero, a domain
-    error, a complex power): the kernel would compute inf, nan or garbage there.
-    """
-    if isinstance(e, ir.Cast) and isinstance(e.x, ir.Const):
-        return ir.Const(float(e.x.value), FLOAT, e.span)
-    if isinstance(e, ir.Unary) and isinstance(e.x, ir.Const):
-        return _const(not e.x.value if e.op == "not" else -e.x.value, e)
-    if isinstance(e, ir.Binary) and isinstance(e.a, ir.Const) and isinstance(e.b, ir.Const):
-        a, b = e.a.value, e.b.value
-        try:
-            if e.op in ("/", "%"):
-                if e.type is INT:
-                    value = _c_div(a, b) if e.op == "/" else _c_mod(a, b)
-                else:
-                    value = a / b if e.op == "/" else math.fmod(a, b)
-            else:
-                value = _FOLD_BINARY[e.op](a, b)
-        except ZeroDivisionError:
-            raise ConstRangeError("divides by zero") from None
-        except (OverflowError, ValueError):
-            raise ConstRangeError("has no finite value") from None
-        return _const(value, e)
-    if isinstance(e, ir.Call) and all(isinstance(a, ir.Const) for a in e.args):
-        try:
-            value = _FOLD_CALL[e.fn](*(a.value for a in e.args))
-        except ZeroDivisionError:
-            raise ConstRangeError("divides by zero") from None
-        except (OverflowError, ValueError):
-            raise ConstRangeError(f"has no finite value ({e.fn} of "
-                                  f"{', '.join(_show(a.value) for a in e.args)})") from None
-        return _const(value, e)
-    return e
-
-
-def _const(value, e: ir.Expr) -> ir.Expr:
-    problem = out_of_range(value, e.type)
-    if problem:
-        raise ConstRangeError(problem if isinstance(value, complex)
-                              else f"{problem} (it is {_show(value)})")
-    if e.type is FLOAT:
-        value = float(value)
-    elif e.type is INT:
-        value = int(value)
-    else:
-        value = bool(value)
-    return ir.Const(value, e.type, e.span)

@@ -30,7 +30,6 @@ checker and are printed as literals (``4096``, ``1e-06f``).
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 from attnlang import ir
@@ -44,7 +43,8 @@ __all__ = ["Hooks", "KernelParam", "lower", "LINE_RESET", "expr_c"]
 LINE_RESET = "// attnlang: #line reset"
 
 _CTYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
-_TENSOR_CTYPE = {INT: "const int*", FLOAT: "const float*"}
+# Bool tables are bytes (torch.bool / numpy bool storage), read as `!= 0`.
+_TENSOR_CTYPE = {INT: "const int*", FLOAT: "const float*", BOOL: "const unsigned char*"}
 _FLT_MAX = 3.4028234663852886e38
 # The largest decimal that still rounds to a finite float32 (the checker's rule): half an ulp
 # of FLT_MAX above it rounds down to it.
@@ -57,15 +57,24 @@ _INT32 = (-(2**31), 2**31 - 1)
 _UNARY = {
     ("-", INT): "(-{x})",
     ("-", FLOAT): "(-{x})",
+    ("~", INT): "(~{x})",
     ("not", BOOL): "(!{x})",
 }
 
-# Keyed by (op, operand type). Int `/` and `%` are C's (truncate toward zero), float `%` is
-# fmodf (the sign of the dividend, like the reference), `**` is always float: accurate powf.
+# Keyed by (op, operand type). Int `/` and `%` are C's (truncate toward zero; a divisor that
+# is not a nonzero literal goes through the helpers, where a zero yields 0), `//` floors,
+# float `%` is fmodf (the sign of the dividend, like the reference), `**` is always float.
 _BINARY = {
-    **{(op, t): f"({{a}} {op} {{b}})" for op in "+-*/" for t in (INT, FLOAT)},
-    ("%", INT): "({a} % {b})",
+    **{(op, t): f"({{a}} {op} {{b}})" for op in "+-*" for t in (INT, FLOAT)},
+    ("/", INT): "attnlang::idiv({a}, {b})",
+    ("/", FLOAT): "({a} / {b})",
+    ("%", INT): "attnlang::imod({a}, {b})",
     ("%", FLOAT): "fmodf({a}, {b})",
+    ("//", INT): "attnlang::floor_div({a}, {b})",
+    ("//", FLOAT): "floorf({a} / {b})",
+    **{(op, INT): f"({{a}} {op} {{b}})" for op in "&|^"},
+    ("<<", INT): "attnlang::shl({a}, {b})",
+    (">>", INT): "attnlang::shr({a}, {b})",
     ("**", FLOAT): "powf({a}, {b})",
     **{(op, t): f"({{a}} {op} {{b}})"
        for op in ("<", "<=", ">", ">=", "==", "!=") for t in (INT, FLOAT, BOOL)},
@@ -96,6 +105,13 @@ _CALLS = {
     ("pow", FLOAT): "powf({0}, {1})",
     ("clamp", FLOAT): "fminf(fmaxf({0}, {1}), {2})",
     ("clamp", INT): "attnlang::imin(attnlang::imax({0}, {1}), {2})",
+    # erf for exact GELU; sin/cos reduced in turns first, as rope (positions reach 1e5).
+    ("erf", FLOAT): "erff({0})",
+    ("sin", FLOAT): "attnlang::sin_reduced({0})",
+    ("cos", FLOAT): "attnlang::cos_reduced({0})",
+    ("mod", INT): "attnlang::floor_mod({0}, {1})",
+    ("mod", FLOAT): "attnlang::floor_mod({0}, {1})",
+    ("int", INT): "attnlang::float_to_int({0})",
     **{("where", t): "({0} ? {1} : {2})" for t in (BOOL, INT, FLOAT)},
 }
 
@@ -122,9 +138,12 @@ _VARS = {
     "causal": "(ix.kv_pos <= ix.q_pos)",
     "logits": "s",
 }
-# Where each tensor-param extent's index lives (dim: the element's index).
-_EXTENT_INDEX_C = {"head": "ix.head", "kv_head": "ix.kv_head", "batch": "ix.batch",
-                   "dim": "dim"}
+# The run-time size of each named extent; a `batch` axis is always the first, whose extent
+# only bounds its index, and a request's index is always inside.
+_EXTENT_C = {"heads": "ix.num_heads", "kv_heads": "ix.num_kv_heads", "batch": "0x7fffffff",
+             "dim": "attnlang::kHeadDim"}
+# A literal divisor other than 0 needs no zero test: C's own / and % then.
+_LITERAL_DIVISION = {("/", INT): "({a} / {b})", ("%", INT): "({a} % {b})"}
 
 
 
@@ -294,6 +313,8 @@ def _children(e: ir.Expr) -> tuple[ir.Expr, ...]:
         return e.args
     if isinstance(e, ir.Rope):
         return (e.x, e.pos, e.theta)
+    if isinstance(e, ir.ParamIndex):
+        return e.indices
     return ()
 
 
@@ -315,9 +336,7 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
     if isinstance(e, ir.Param):
         return f"p.{member_name(e.name)}"
     if isinstance(e, ir.ParamIndex):
-        if e.index == "dim" and not env.elem:
-            raise ValueError(f"'{e.name}[dim]' used outside a per-element context")
-        return f"__ldg(p.{member_name(e.name)} + {_EXTENT_INDEX_C[e.index]})"
+        return table_c(e, lambda i: expr_c(i, env))
     if isinstance(e, ir.Cast):
         if isinstance(e.x, ir.Const) and e.x.type is INT:
             return _float_literal(float(e.x.value))
@@ -328,6 +347,8 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
         key = (e.op, e.a.type)
         if key not in _BINARY:
             raise ValueError(f"no C form for {e.a.type} {e.op} {e.b.type}")
+        if key in _LITERAL_DIVISION and isinstance(e.b, ir.Const) and e.b.value != 0:
+            return _LITERAL_DIVISION[key].format(a=expr_c(e.a, env), b=expr_c(e.b, env))
         if key == ("/", FLOAT) and _is_invariant(e.b) and _has_param(e.b):
             # A divisor of scalar params (and constants) only: multiply by its reciprocal,
             # which the compiler hoists out of the kernel's loops (an IEEE division per key
@@ -343,6 +364,14 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
     if isinstance(e, (ir.Reduce, ir.Rope)):
         raise ValueError(f"{type(e).__name__} outside a vector stage")
     raise TypeError(f"unknown IR node {type(e).__name__}")
+
+
+def table_c(e: ir.ParamIndex, index_c) -> str:
+    """C text of a table read; index_c renders one index expression."""
+    axes = ", ".join(f"{index_c(i)}, {_EXTENT_C[n] if isinstance(n, str) else n}"
+                     for i, n in zip(e.indices, e.extents, strict=True))
+    read = f"attnlang::table_at(p.{member_name(e.name)}, {axes})"
+    return f"({read} != 0)" if e.type is BOOL else read
 
 
 def _has_param(e: ir.Expr) -> bool:
@@ -375,8 +404,6 @@ def _uses_dim(e: ir.Expr, env: _Env) -> bool:
     if env.temp(e) is not None:
         return False
     if isinstance(e, ir.Var) and e.name == "dim":
-        return True
-    if isinstance(e, ir.ParamIndex) and e.index == "dim":
         return True
     return any(_uses_dim(c, env) for c in _children(e))
 
@@ -502,8 +529,8 @@ def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool]:
     of ix.kv_head; 0 every pair masked, 1 unknown, 2 every pair visible."""
     if mask is None:
         return f"{_MASK_TILE_SIG} {{ return 2; }}  // no mask: every pair visible", False
-    body = lower_mask_tile(mask, _literal)
-    body = re.sub(r"\bp\.(\w+)", lambda m: "p." + member_name(m.group(1)), body)
+    body = lower_mask_tile(mask, _literal, lambda name: f"p.{member_name(name)}",
+                           lambda e: table_c(e, lambda i: _VARS[i.name]))
     out = _Lines(filename, _line_of(mask))
     out.add("using namespace ::attnlang::mask_tiles;")
     out.user(f"return {body};", mask)
@@ -531,8 +558,7 @@ def lower(variant: ir.Variant) -> Hooks:
     for spec in variant.params:
         ctype = _TENSOR_CTYPE[spec.type] if spec.is_tensor else _CTYPE[spec.type]
         member = member_name(spec.name)
-        what = f"[{spec.extent}]" if spec.is_tensor else ""
-        members.append(f"  {ctype} {member};  // param {spec.name}: {spec.type}{what}")
+        members.append(f"  {ctype} {member};  // param {spec.name}: {spec.declared}")
         kernel_params.append(KernelParam(f"param_{spec.name}", ctype, member))
     params_struct = "struct Params {" + ("\n" + "\n".join(members) + "\n" if members else "") + "};"
     params_init = ("const variant::Params params{"

@@ -140,7 +140,7 @@ class _NumpyIntervals:
             return lo.astype(np.float64), hi.astype(np.float64)
         if isinstance(e, ir.Unary):
             lo, hi = self.iv(e.x)
-            return -hi, -lo
+            return (-hi - 1, -lo - 1) if e.op == "~" else (-hi, -lo)
         if isinstance(e, ir.Binary):
             return _arith(e.op, self.iv(e.a), self.iv(e.b), e.type, self.top(e.type))
         if isinstance(e, ir.Call):
@@ -155,6 +155,17 @@ class _NumpyIntervals:
             hi = np.where(c == FULL, ahi, np.where(c == EMPTY, bhi, np.maximum(ahi, bhi)))
             return lo, hi
         args = [self.iv(a) for a in e.args]
+        if e.fn == "mod" and e.type is not FLOAT:
+            (alo, ahi), (blo, bhi) = args
+            point = blo == bhi
+            c = np.where(point, blo, 1)
+            pos_inside = (c > 0) & (alo >= 0) & (ahi < c)
+            neg_inside = (c < 0) & (ahi <= 0) & (alo > c)
+            lo = np.where(c > 0, 0, c + 1)
+            hi = np.where(c > 0, c - 1, 0)
+            lo = np.where(pos_inside | neg_inside, alo, np.where(blo == 0, 0, lo))
+            hi = np.where(pos_inside | neg_inside, ahi, np.where(blo == 0, 0, hi))
+            return np.where(point, lo, -_INT_TOP), np.where(point, hi, _INT_TOP)
         if e.fn in ("min", "max"):
             f = np.minimum if e.fn == "min" else np.maximum
             return f(args[0][0], args[1][0]), f(args[0][1], args[1][1])
@@ -209,6 +220,15 @@ def _arith(op, a, b, ty, top):
             corners = np.stack(np.broadcast_arrays(alo / blo, alo / bhi, ahi / blo, ahi / bhi))
         ok = (positive | negative) & ~np.isnan(corners).any(0)
         return np.where(ok, corners.min(0), -np.inf), np.where(ok, corners.max(0), np.inf)
+    if op == "//" and ty is not FLOAT:
+        # Floor division by a fixed divisor is monotone in the dividend.
+        point = blo == bhi
+        c = np.where(point & (blo != 0), blo, 1)
+        q1, q2 = alo // c, ahi // c
+        zero = point & (blo == 0)  # run-time division by zero yields 0
+        lo = np.where(point, np.where(zero, 0, np.minimum(q1, q2)), top[0])
+        hi = np.where(point, np.where(zero, 0, np.maximum(q1, q2)), top[1])
+        return lo, hi
     if op == "%" and ty is not FLOAT:
         # |x % c| < |c| and x % c has the sign of x (C semantics).
         point = (blo == bhi) & (blo != 0)
@@ -248,7 +268,8 @@ def _compare(op, a, b, is_float):
 # ---- C++ ------------------------------------------------------------------------------------
 
 # Interval helpers used by the lowered body (kernels_templates/mask_tiles.cuh defines them).
-_CPP_ARITH = {"+": "iv_add", "-": "iv_sub", "*": "iv_mul", "/": "iv_div", "%": "iv_mod"}
+_CPP_ARITH = {"+": "iv_add", "-": "iv_sub", "*": "iv_mul", "/": "iv_div", "%": "iv_mod",
+              "//": "iv_floordiv"}
 _CPP_CMP = {"<": "tri_lt", "<=": "tri_le", ">": "tri_gt", ">=": "tri_ge", "==": "tri_eq",
             "!=": "tri_ne"}
 _CPP_VAR = {"batch": "ix.batch", "kv_head": "ix.kv_head", "qo_len": "ix.qo_len",
@@ -256,20 +277,27 @@ _CPP_VAR = {"batch": "ix.batch", "kv_head": "ix.kv_head", "qo_len": "ix.qo_len",
             "num_kv_heads": "ix.num_kv_heads", "head_dim": "kHeadDim", "sm_scale": "ix.sm_scale"}
 
 
-def lower_mask_tile(mask: ir.Expr | None, literal) -> str:
+def lower_mask_tile(mask: ir.Expr | None, literal, param, table) -> str:
     """C++ expression (an int: 0 EMPTY, 1 PARTIAL, 2 FULL) classifying the tile whose bounds
     are the variables q_lo, q_hi, kv_lo, kv_hi, given `p` (Params) and `ix` (Index).
 
-    `literal(const)` renders an ir.Const as C++ (the lowering's own literal rule).
+    The lowering's own rules render the leaves: `literal(const)` an ir.Const, `param(name)`
+    a scalar param, `table(e)` a tensor read whose indices are all `batch` / `kv_head`.
     """
     if mask is None:
         return "2"
-    return _CppIntervals(literal).tri(mask)
+    return _CppIntervals(literal, param, table).tri(mask)
+
+
+# Index variables that are one value over a whole tile.
+_TILE_INVARIANT = ("batch", "kv_head")
 
 
 class _CppIntervals:
-    def __init__(self, literal):
+    def __init__(self, literal, param, table):
         self.literal = literal
+        self.param = param
+        self.table = table
 
     def tri(self, e: ir.Expr) -> str:
         if isinstance(e, ir.Const):
@@ -302,13 +330,15 @@ class _CppIntervals:
                 return "heads_of(ix)"
             return f"{kind}::point({_CPP_VAR[e.name]})"
         if isinstance(e, ir.Param):
-            return f"{kind}::point(p.{e.name})"
-        if isinstance(e, ir.ParamIndex):
-            if e.index == "head":  # the tile's rows span the query heads of one kv_head
-                return f"{kind}::top()"
-            return f"{kind}::point(p.{e.name}[ix.{e.index}])"
+            return f"{kind}::point({self.param(e.name)})"
+        if isinstance(e, ir.ParamIndex):  # one value per tile only at batch / kv_head
+            if all(isinstance(i, ir.Var) and i.name in _TILE_INVARIANT for i in e.indices):
+                return f"{kind}::point({self.table(e)})"
+            return f"{kind}::top()"
         if isinstance(e, ir.Cast):
             return f"to_float({self.iv(e.x)})"
+        if isinstance(e, ir.Unary) and e.op == "~":  # ~x = -1 - x
+            return f"iv_sub(IvI::point(-1), {self.iv(e.x)})"
         if isinstance(e, ir.Unary):
             return f"iv_neg({self.iv(e.x)})"
         if isinstance(e, ir.Binary) and e.op in _CPP_ARITH:
@@ -317,7 +347,7 @@ class _CppIntervals:
             if e.fn == "where":
                 c, a, b = self.tri(e.args[0]), self.iv(e.args[1]), self.iv(e.args[2])
                 return f"iv_where({c}, {a}, {b})"
-            if e.fn in ("min", "max", "abs", "clamp") or e.fn in _MONOTONE_UP:
+            if e.fn in ("min", "max", "abs", "clamp", "mod") or e.fn in _MONOTONE_UP:
                 args = ", ".join(self.iv(a) for a in e.args)
-                return f"iv_{e.fn}({args})"
+                return f"iv_{'floormod' if e.fn == 'mod' else e.fn}({args})"
         return f"{kind}::top()"

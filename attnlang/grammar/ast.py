@@ -47,12 +47,12 @@ class Name(Node):
 
 @dataclass(frozen=True)
 class Index(Node):
-    """`name[index]`: a tensor param read at an index variable."""
+    """`name[i, j, ...]`: an element of a tensor param; each index is an expression."""
 
     name: str
-    index: str
+    indices: tuple[Node, ...]
     span: Span = _span()
-    index_span: Span = _span()
+    name_span: Span = _span()
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class BinOp(Node):
 
 @dataclass(frozen=True)
 class UnaryOp(Node):
-    """`-x` or `not x`."""
+    """`-x`, `~x` or `not x`."""
 
     op: str
     x: Node
@@ -98,16 +98,19 @@ class UnaryOp(Node):
 
 @dataclass(frozen=True)
 class ParamDecl(Node):
-    """`param NAME: TYPE[EXTENT] = DEFAULT` (extent and default optional)."""
+    """`param NAME: TYPE[EXTENT, ...] = DEFAULT` (extents and default optional).
+
+    extents: each a name (`heads`, a const) or an int literal; empty for a scalar param.
+    """
 
     name: str
     type_name: str
-    extent: str | None
+    extents: tuple[str | int, ...]
     default: Number | None
     span: Span = _span()
     name_span: Span = _span()
     type_span: Span = _span()
-    extent_span: Span = _span()
+    extent_spans: tuple[Span, ...] = field(default=(), compare=False, hash=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,16 @@ class ConstDecl(Node):
     span: Span = _span()
     name_span: Span = _span()
     type_span: Span = _span()
+
+
+@dataclass(frozen=True)
+class LetDecl(Node):
+    """`let NAME = EXPR`: a name for an expression, usable by the stages below it."""
+
+    name: str
+    expr: Node
+    span: Span = _span()
+    name_span: Span = _span()
 
 
 @dataclass(frozen=True)

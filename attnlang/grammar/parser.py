@@ -30,7 +30,13 @@ _TERMINAL_WORDS = {
     "NUMBER": "a number",
     "MINUS": "'-'",
     "PLUS": "'+'",
-    "MULOP": "'*', '/' or '%'",
+    "MULOP": "'*', '/', '//' or '%'",
+    "FLOORDIV": "'//'",
+    "SHIFT": "'<<' or '>>'",
+    "TILDE": "'~'",
+    "AMP": "'&'",
+    "BAR": "'|'",
+    "CARET": "'^'",
     "POW": "'**'",
     "CMP": "a comparison",
     "OR": "'or'",
@@ -42,6 +48,7 @@ _TERMINAL_WORDS = {
     "_VARIANT": "'variant'",
     "_PARAM": "'param'",
     "_CONST": "'const'",
+    "_LET": "'let'",
     "SOFTMAX": "'softmax'",
     "ON": "'on'",
     "OFF": "'off'",
@@ -153,7 +160,6 @@ def _syntax_error(e: UnexpectedInput, text: str, filename: str) -> AttnSyntaxErr
         ch = text[e.pos_in_stream] if e.pos_in_stream < len(text) else "?"
         message = f"unexpected character '{ch}'"
         hint = {"/": "comments start with '#'", ";": "comments start with '#'",
-                "&": "write 'and' ('&&' is C)", "|": "write 'or' ('||' is C)",
                 "!": "write 'not' (or '!=' to compare)"}.get(ch)
     else:  # pragma: no cover - lark has no other UnexpectedInput kinds today
         message, hint = str(e).splitlines()[0], None
@@ -178,8 +184,10 @@ def _missing_right_hand_side(e: UnexpectedInput, text: str) -> tuple[int, int] |
 
 
 def _hint_for(e: UnexpectedToken) -> str | None:
-    if e.token.type == "NUMBER" and e.expected == {"NAME"}:  # w[0]
-        return "a tensor param is indexed by head, kv_head, batch or dim, not a number"
+    if e.token.type == "AMP" and "NUMBER" in e.expected:  # a && b
+        return "write 'and' ('&&' is C)"
+    if e.token.type == "BAR" and "NUMBER" in e.expected:  # a || b
+        return "write 'or' ('||' is C)"
     if e.token.value == "(" and e.expected <= {"NUMBER", "MINUS"}:  # param x: float = -(30.0)
         return "a param default is a number literal such as -30.0"
     if e.token.type == "NAME" and e.token.value in ("float", "int", "bool"):
@@ -189,6 +197,9 @@ def _hint_for(e: UnexpectedToken) -> str | None:
     if "NAME" in e.expected and e.token.type in ("SOFTMAX", "WHERE", "ON", "OFF", "TRUE",
                                                   "FALSE", "OR", "AND", "NOT"):
         return f"'{e.token.value}' is a keyword and cannot be used as a name"
+    if e.token.type == "CMP":  # a < b < c, or a < b & c < d read as a < (b & c) < d
+        return ("comparisons do not chain: write 'a < b and b < c'; '&' and '|' bind tighter "
+                "than comparisons, as in Python: write (a < b) & (c < d)")
     if e.token.value == "=" and "CMP" in e.expected:
         return "use '==' to compare"
     return None
@@ -222,17 +233,25 @@ class _ToAst(Transformer):
     @v_args(meta=True)
     def param_decl(self, meta, children):
         name, type_name, rest = children[0], children[1], children[2:]
-        extent = extent_span = default = None
+        extents, extent_spans, default = (), (), None
         for r in rest:
             if isinstance(r, tuple) and r[0] == "extent":
-                extent, extent_span = str(r[1]), self._tspan(r[1])
+                extents = tuple(int(t) if t.type == "NUMBER" else str(t) for t in r[1])
+                extent_spans = tuple(self._tspan(t) for t in r[1])
             elif isinstance(r, ast.Number):
                 default = r
-        return ast.ParamDecl(str(name), str(type_name), extent, default, self._span(meta),
-                             self._tspan(name), self._tspan(type_name), extent_span)
+        return ast.ParamDecl(str(name), str(type_name), extents, default, self._span(meta),
+                             self._tspan(name), self._tspan(type_name), extent_spans)
 
     def extent(self, children):
-        return ("extent", children[0])
+        for tok in children:
+            if tok.type == "NUMBER" and not tok.isdigit():
+                raise AttnSyntaxError(f"an extent is a whole number or a name, found {tok}",
+                                      self._tspan(tok), "e.g. float[heads, 32]", None)
+            if tok.type == "NUMBER" and len(tok) > 10:
+                raise AttnSyntaxError(f"extent {tok[:12]}... is too large", self._tspan(tok),
+                                      None, None)
+        return ("extent", children)
 
     def default(self, children):
         return children[0]
@@ -249,6 +268,11 @@ class _ToAst(Transformer):
         name, type_name, expr = children
         return ast.ConstDecl(str(name), str(type_name), expr, self._span(meta),
                              self._tspan(name), self._tspan(type_name))
+
+    @v_args(meta=True)
+    def let_decl(self, meta, children):
+        name, expr = children
+        return ast.LetDecl(str(name), expr, self._span(meta), self._tspan(name))
 
     @v_args(meta=True)
     def softmax_decl(self, meta, children):
@@ -287,8 +311,8 @@ class _ToAst(Transformer):
 
     @v_args(meta=True)
     def index(self, meta, children):
-        name, idx = children
-        return ast.Index(str(name), str(idx), self._span(meta), self._tspan(idx))
+        name, indices = children[0], tuple(children[1:])
+        return ast.Index(str(name), indices, self._span(meta), self._tspan(name))
 
     def callee(self, children):
         return children[0]

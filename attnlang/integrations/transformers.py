@@ -147,7 +147,7 @@ def variant_for(spec: VariantSpec, params: Mapping[str, Any] | None,
 
 def _reads_numbering(variant: ir.Variant) -> bool:
     """Whether the variant's result depends on how heads and requests are numbered."""
-    if any(p.is_tensor and p.extent in ("heads", "kv_heads", "batch") for p in variant.params):
+    if any(e in ("heads", "kv_heads", "batch") for p in variant.params for e in p.extents):
         return True
     for stage in ("query", "key", "value", "logits", "mask", "output"):
         expr = variant.stage(stage)

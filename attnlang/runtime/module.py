@@ -12,7 +12,7 @@ Directory format (``manifest.json`` + one ``<kind>.cubin`` per kind)::
 
     {"format": 1, "attnlang_version": "0.1.0", "nvrtc_version": "12.9",
      "variant": {"name": "softcap", "softmax": true,
-                 "params": [{"name": "cap", "type": "float", "extent": null, "default": 30.0}]},
+                 "params": [{"name": "cap", "type": "float", "extents": [], "default": 30.0}]},
      "dtype": "bfloat16", "head_dim": 128, "arch": "sm_90a",
      "kinds": ["decode", "prefill", "merge"],
      "cubins": {"decode": {"file": "decode.cubin", "entry": "decode", "sha256": "...",
@@ -340,17 +340,23 @@ def _entry_name(kind: str, names: list[str], label: str) -> str:
 
 
 def _param_to_json(p: ir.ParamSpec) -> dict[str, Any]:
-    return {"name": p.name, "type": p.type.value, "extent": p.extent, "default": p.default}
+    return {"name": p.name, "type": p.type.value, "extents": list(p.extents),
+            "default": p.default}
 
 
 def _param_from_json(d: Mapping[str, Any]) -> ir.ParamSpec:
     t = ir.Type(d["type"])
-    if t not in (ir.INT, ir.FLOAT) or d.get("extent") not in (None, *ir.EXTENT_INDEX):
+    # Manifests before tables had one optional named "extent".
+    extents = d["extents"] if "extents" in d else [d["extent"]] if d.get("extent") else []
+    if not isinstance(extents, list) or any(
+            not (e in ir.EXTENT_INDEX or (type(e) is int and e >= 1)) for e in extents):
+        raise ValueError(f"bad param {d!r}")
+    if t not in (ir.INT, ir.FLOAT) and not (t is ir.BOOL and extents):
         raise ValueError(f"bad param {d!r}")
     default = d.get("default")
     if default is not None:
         default = int(default) if t is ir.INT else float(default)
-    return ir.ParamSpec(name=str(d["name"]), type=t, extent=d.get("extent"), default=default)
+    return ir.ParamSpec(name=str(d["name"]), type=t, extents=tuple(extents), default=default)
 
 
 def _attnlang_version() -> str:

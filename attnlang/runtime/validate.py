@@ -284,14 +284,14 @@ def resolve_params(specs: Sequence[ir.ParamSpec], params: Any, *, shape: Attenti
         if not spec.is_tensor:
             resolved.append((spec, _scalar_param(value, spec, where)))
         else:
-            resolved.append((spec, _tensor_param(value, spec, extents[spec.extent],
-                                                 where, device)))
+            resolved.append((spec, _tensor_param(value, spec, spec.shape(extents), where,
+                                                 device)))
     return tuple(resolved)
 
 
 def _describe_spec(spec: ir.ParamSpec) -> str:
     if spec.is_tensor:
-        return f"{spec.type}[{spec.extent}]"
+        return spec.declared
     return f"{spec.type}" + (f" = {spec.default}" if spec.default is not None else "")
 
 
@@ -307,20 +307,22 @@ def _scalar_param(value: Any, spec: ir.ParamSpec, where: str):
     return np.float32(value)
 
 
-def _tensor_param(value: Any, spec: ir.ParamSpec, extent: int, where: str,
+def _tensor_param(value: Any, spec: ir.ParamSpec, shape: tuple[int, ...], where: str,
                   device: int | None):
-    want = "int32" if spec.type is ir.INT else "float32"
+    want = _TENSOR_DTYPE[spec.type]
     if isinstance(value, (list, tuple)):
         value = np.asarray(value)
     if isinstance(value, (bool, numbers.Number)):
-        raise TypeError(f"{where} must be a 1-D array of {extent} values ({spec.extent}), "
-                        f"got a scalar")
+        raise TypeError(f"{where} must be an array of shape {shape}, got a scalar")
     info = describe(value, where)
-    if len(info.shape) != 1 or info.shape[0] != extent:
-        raise ValueError(
-            f"{where} must have shape ({extent},) (one value per {_EXTENT_WORDS[spec.extent]}), "
-            f"got {info.shape}"
-        )
+    if tuple(info.shape) != shape:
+        named = "; ".join(f"{e} = {n}: one value per {_EXTENT_WORDS[e]}"
+                          for e, n in zip(spec.extents, shape, strict=True) if isinstance(e, str))
+        raise ValueError(f"{where} must have shape {shape}" + (f" ({named})" if named else "")
+                         + f", got {tuple(info.shape)}")
+    if math.prod(shape) > _INT32_MAX:
+        raise ValueError(f"{where} has {math.prod(shape)} elements: a table is indexed by "
+                         "32-bit ints")
     if info.on_device:
         if info.dtype != want:
             raise TypeError(f"{where} must be a {want} device array, got {info.dtype} "
@@ -331,7 +333,11 @@ def _tensor_param(value: Any, spec: ir.ParamSpec, extent: int, where: str,
             raise ValueError(f"{where} is on device {info.device} but q is on device {device}")
         return info
     host = np.asarray(value)
-    if spec.type is ir.INT:
+    if spec.type is ir.BOOL:
+        if host.dtype != bool:
+            raise TypeError(f"{where} must hold bools, got dtype {host.dtype} (convert it with "
+                            ".astype(bool))")
+    elif spec.type is ir.INT:
         if host.dtype == bool or not np.issubdtype(host.dtype, np.integer):
             raise TypeError(f"{where} must hold integers, got dtype {host.dtype}")
         if host.size and (host.min() < -2**31 or host.max() > _INT32_MAX):
@@ -344,6 +350,8 @@ def _tensor_param(value: Any, spec: ir.ParamSpec, extent: int, where: str,
 
 _EXTENT_WORDS = {"heads": "query head", "kv_heads": "KV head", "batch": "request",
                  "dim": "element of a head vector"}
+# The device dtype of each tensor param type (bool tables are bytes, as torch.bool).
+_TENSOR_DTYPE = {ir.INT: "int32", ir.FLOAT: "float32", ir.BOOL: "bool"}
 
 
 def _device_tensor(x: Any, name: str) -> TensorInfo:

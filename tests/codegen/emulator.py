@@ -198,16 +198,19 @@ def _from_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
 def _params(v: ir.Variant, rng, sizes: dict[str, int], kv_lens, given) -> dict:
     params = {}
     for p in v.params:
-        if p.extent is None:
+        if not p.is_tensor:
             params[p.name] = p.default if p.default is not None else (
                 float(rng.uniform(0.5, 2.0)) if p.type is ir.FLOAT else int(rng.integers(0, 5)))
+            continue
+        n = p.shape(sizes)
+        if p.type is ir.BOOL:
+            params[p.name] = rng.random(n) < 0.3
         elif p.type is ir.FLOAT:
-            n = sizes[p.extent]
-            params[p.name] = ((1.0 + 0.2 * rng.standard_normal(n)) if p.extent == "dim"
+            params[p.name] = ((1.0 + 0.2 * rng.standard_normal(n)) if p.extents == ("dim",)
                               else rng.uniform(0.01, 0.3, n)).astype(np.float32)
         else:
-            high = int(min(kv_lens)) if p.extent == "batch" else 5
-            params[p.name] = rng.integers(0, max(1, high), sizes[p.extent]).astype(np.int32)
+            high = int(min(kv_lens)) if p.extents == ("batch",) else 5
+            params[p.name] = rng.integers(0, max(1, high), n).astype(np.int32)
     params.update(given or {})
     return params
 
@@ -222,14 +225,18 @@ class Result:
     merge_rows: int
 
 
+_TENSOR_DTYPE = {ir.FLOAT: np.float32, ir.INT: np.int32, ir.BOOL: np.uint8}
+
+
 def kernel_param_values(hooks, v: ir.Variant, params: dict, scalars: dict) -> dict:
     """Split the variant's run-time params into kernel arguments: scalars go into `scalars`
-    (by kernel parameter name); tensor params are returned as float32/int32 arrays."""
+    (by kernel parameter name); tensor params are returned as float32 / int32 / uint8 (bool)
+    arrays."""
     tensors = {}
     for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
         if spec.is_tensor:
             tensors[kp.name] = np.asarray(
-                params[spec.name], np.float32 if spec.type is ir.FLOAT else np.int32)
+                params[spec.name], _TENSOR_DTYPE[spec.type])
         else:
             scalars[kp.name] = params[spec.name]
     return tensors

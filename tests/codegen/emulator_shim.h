@@ -70,6 +70,8 @@ inline float __logf(float x) { return logf(x); }
 inline float __log2f(float x) { return log2f(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
+inline float __sinf(float x) { return sinf(x); }
+inline float __cosf(float x) { return cosf(x); }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline size_t __cvta_generic_to_shared(const void* p) { return (size_t)p; }

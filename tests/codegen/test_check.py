@@ -60,13 +60,13 @@ def test_one_argument_max_is_a_reduction_two_arguments_a_scalar():
 
 def test_tensor_param_index():
     e = stage("param s: float[heads]\nlogits = logits * s[head]", "logits")
-    assert e.b == ir.ParamIndex("s", "head", FLOAT)
+    assert e.b == ir.ParamIndex("s", (ir.Var("head", INT),), ("heads",), FLOAT)
 
 
 def test_params_keep_order_and_defaults():
     v = al.parse("variant t\nparam b: int = -3\nparam a: float\nparam w: float[dim]")
-    assert [(p.name, p.type, p.extent, p.default) for p in v.params] == [
-        ("b", INT, None, -3), ("a", FLOAT, None, None), ("w", FLOAT, "dim", None)]
+    assert [(p.name, p.type, p.extents, p.default) for p in v.params] == [
+        ("b", INT, (), -3), ("a", FLOAT, (), None), ("w", FLOAT, ("dim",), None)]
 
 
 def test_softmax_flag():

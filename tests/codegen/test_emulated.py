@@ -13,7 +13,7 @@ import pytest
 
 import attnlang
 from tests.codegen import emulator
-from tests.variant_files import VARIANT_FILES, VARIANT_IDS
+from tests.variant_files import CPU_HEAVY_FILES, CPU_HEAVY_IDS, VARIANT_FILES, VARIANT_IDS
 
 _PROBLEM = emulator.available()
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulator: {_PROBLEM}")
@@ -34,7 +34,7 @@ def check(result: emulator.Result, dtype: str) -> None:
         assert result.lse_err <= 5e-3, result
 
 
-@pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
+@pytest.mark.parametrize("path", CPU_HEAVY_FILES, ids=CPU_HEAVY_IDS)
 def test_variant_split_and_merged(path, workdir):
     # GQA 8/2 (R = 4, TZ = 2), ragged queries, KV split into chunks of 24 (partial states,
     # merge kernel), chunks not aligned to tiles or pages, pages shuffled in memory.

@@ -40,6 +40,11 @@ EXTRA_MASKS = {
     "bool_eq": "mask = (kv_pos < 100) == (q_pos < 100)",
     "param_window": "param w: int = 90\nmask = causal and q_pos - kv_pos < w",
     "head_dependent": "param lim: int[heads]\nmask = kv_pos < lim[head] and causal",
+    "floor_blocks": "mask = (q_pos - 40) // 16 >= kv_pos // -16 * -1 - 2 and causal",
+    "floor_mod": "mask = mod(kv_pos - 30, 7) < 3 or mod(q_pos, -5) == -1 or q_row < 9",
+    "bitwise": "mask = ((kv_pos & 12) ^ (q_pos | 1)) > 5 and ~kv_pos < -3 and kv_pos >> 2 < 99",
+    "lets_table": "param seen: bool[batch, 50]\nlet d = q_pos - kv_pos\n"
+                  "mask = (d >= 0) & (d // 8 < 3) | seen[batch, kv_pos]",
 }
 
 
@@ -56,9 +61,10 @@ def random_params(v: ir.Variant, rng, extents: dict[str, int], int_high: int = 5
     """Run-time params for v: defaults where declared, else random; tensors of the extents."""
     params = {}
     for p in v.params:
-        if p.extent:
-            n = extents[p.extent]
+        if p.is_tensor:
+            n = p.shape(extents)
             params[p.name] = (rng.integers(0, 700, n) if p.type is ir.INT
+                              else rng.random(n) < 0.5 if p.type is ir.BOOL
                               else rng.uniform(0.1, 2.0, n))
         else:
             params[p.name] = p.default if p.default is not None else (
@@ -173,9 +179,9 @@ def _cpp_function(i: int, v: ir.Variant, params: dict) -> str:
     fields, values = [], []
     for p in v.params:
         ctype = "long long" if p.type is ir.INT else "float"
-        if p.extent:
+        if p.is_tensor:
             data = ", ".join(str(int(x)) if p.type is ir.INT else f"{float(x)!r}f"
-                             for x in params[p.name])
+                             for x in np.ravel(params[p.name]))
             values.append(f"static const {ctype} {p.name}_data[] = {{{data}}};")
             fields.append((f"const {ctype}* {p.name};", f"{p.name}_data"))
         else:
@@ -183,7 +189,8 @@ def _cpp_function(i: int, v: ir.Variant, params: dict) -> str:
             fields.append((f"{ctype} {p.name};", str(int(x)) if p.type is ir.INT else f"{x!r}f"))
     struct = " ".join(f for f, _ in fields) or "int unused_;"
     init = ", ".join(val for _, val in fields) or "0"
-    body = lower_mask_tile(v.mask, _literal)
+    body = lower_mask_tile(v.mask, _literal, lambda name: f"p.{name}",
+                           lambda e: f"p.{e.name}[ix.{e.indices[0].name}]")  # 1-D tables here
     return (f"namespace v{i} {{ {' '.join(values)} struct Params {{ {struct} }};\n"
             f"int mask_tile(int q_lo, int q_hi, int kv_lo, int kv_hi, const Index& ix) {{\n"
             f"  using namespace attnlang::mask_tiles; const Params p{{{init}}};\n"

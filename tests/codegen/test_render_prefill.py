@@ -17,7 +17,7 @@ from attnlang.codegen import config
 from attnlang.codegen.lower import LINE_RESET, lower
 from attnlang.codegen.render import generated_name, render
 from tests.codegen.test_render import DECODE_ARGS, _toolchain_problem, by_id, entry_args, load
-from tests.variant_files import VARIANT_FILES, VARIANT_IDS
+from tests.variant_files import CPU_HEAVY_IDS, VARIANT_FILES, VARIANT_IDS
 
 _PROBLEM = _toolchain_problem()
 needs_nvrtc = pytest.mark.skipif(
@@ -111,7 +111,7 @@ SPILL_BUDGET = 64
 
 # Every variant on both paths; sm_90 without the "a" (mma.sync, a larger spill than sm_80)
 # for the two variants with the most live state; qk_norm over the dtype x head_dim matrix.
-_MATRIX = [(v, "bfloat16", 128, a) for v in VARIANT_IDS for a in ("sm_90a", "sm_80")]
+_MATRIX = [(v, "bfloat16", 128, a) for v in CPU_HEAVY_IDS for a in ("sm_90a", "sm_80")]
 _MATRIX += [(v, "bfloat16", 128, "sm_90") for v in ("kitchen_sink", "rope_norm_window")]
 _MATRIX += [("qk_norm", d, hd, a) for d in config.DTYPES for hd in config.HEAD_DIMS
             for a in ("sm_90a", "sm_80") if (d, hd) != ("bfloat16", 128)]

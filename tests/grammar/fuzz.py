@@ -41,10 +41,12 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.attn")) + sorted(
 
 NAMES = ["logits", "q_pos", "kv_pos", "head", "kv_head", "batch", "qo_len", "kv_len", "dim",
          "sm_scale", "head_dim", "num_heads", "num_kv_heads", "causal", "q", "k", "v", "o",
-         "cap", "w", "slopes", "undefined_name", "true", "false"]
+         "cap", "w", "slopes", "undefined_name", "true", "false", "q_row", "dist", "table"]
 FUNCS = ["exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "min", "max",
-         "pow", "floor", "ceil", "clamp", "softplus", "where", "sum", "mean", "rope"]
-OPS = ["+", "-", "*", "/", "%", "**", "<", "<=", ">", ">=", "==", "!=", "and", "or"]
+         "pow", "floor", "ceil", "clamp", "softplus", "where", "sum", "mean", "rope", "erf",
+         "sin", "cos", "mod", "int", "float"]
+OPS = ["+", "-", "*", "/", "//", "%", "**", "<", "<=", ">", ">=", "==", "!=", "and", "or",
+       "&", "|", "^", "<<", ">>"]
 EDGE_NUMBERS = ["0", "1", "2", "0.5", "1e-45", "1e-50", "2147483647", "2147483648",
                 "4294967296", "3.4028235e38", "3.5e38", "1e39", "1e400", "-2147483648",
                 "9223372036854775808", "0.0", "1e308", "9" * 80, "1." + "0" * 70]
@@ -54,10 +56,11 @@ ODD_TEXT = ["\xff", "\t", "\x0c", "\x0b", "\u2028", "\r", "#", "(", ")", "[", "]
 
 
 # Names each stage can see (a wrong one now and then still tests the scope errors).
-SCOPE = {"query": ["q", "dim", "q_pos", "head"], "key": ["k", "dim", "kv_pos", "kv_head"],
+SCOPE = {"query": ["q", "dim", "q_pos", "head", "q_row"],
+         "key": ["k", "dim", "kv_pos", "kv_head"],
          "value": ["v", "dim", "kv_pos", "kv_head"], "output": ["o", "dim", "q_pos", "head"],
-         "logits": ["logits", "q_pos", "kv_pos", "head", "kv_len", "qo_len"],
-         "mask": ["q_pos", "kv_pos", "causal", "kv_len", "head"], None: []}
+         "logits": ["logits", "q_pos", "kv_pos", "head", "kv_len", "qo_len", "q_row", "dist"],
+         "mask": ["q_pos", "kv_pos", "causal", "kv_len", "head", "q_row", "dist"], None: []}
 
 
 def _expr(rng: random.Random, depth: int, stage: str | None = None) -> str:
@@ -70,7 +73,7 @@ def _expr(rng: random.Random, depth: int, stage: str | None = None) -> str:
     if pick < 0.45:
         return f"{_expr(rng, depth - 1, stage)} {rng.choice(OPS)} {_expr(rng, depth - 1, stage)}"
     if pick < 0.6:
-        return rng.choice(["-", "not ", "-(", "("]) + _expr(rng, depth - 1, stage) + (
+        return rng.choice(["-", "not ", "-(", "(", "~"]) + _expr(rng, depth - 1, stage) + (
             ")" if rng.random() < 0.5 else "")
     if pick < 0.9:
         fn = rng.choice(FUNCS)
@@ -78,7 +81,11 @@ def _expr(rng: random.Random, depth: int, stage: str | None = None) -> str:
         if fn == "rope" and rng.random() < 0.5:
             args += ", theta=" + rng.choice(EDGE_NUMBERS[:8])
         return f"{fn}({args})"
-    return f"slopes[{rng.choice(['head', 'kv_head', 'batch', 'dim', 'q_pos'])}]"
+    if pick < 0.95:
+        return f"slopes[{rng.choice(['head', 'kv_head', 'batch', 'dim', 'q_pos'])}]"
+    indices = [rng.choice(["head", "batch", "q_pos - kv_pos", "kv_pos // 4", "-1", "40",
+                           _expr(rng, depth - 1, stage)]) for _ in range(rng.randint(1, 3))]
+    return f"table[{', '.join(indices)}]"
 
 
 def random_program(rng: random.Random) -> str:
@@ -87,10 +94,15 @@ def random_program(rng: random.Random) -> str:
         kind = rng.random()
         if kind < 0.4:
             ty = rng.choice(["float", "int", "bool", "double"])
-            extent = rng.choice(["", "", "[heads]", "[kv_heads]", "[batch]", "[dim]", "[rows]"])
+            extent = rng.choice(["", "", "[heads]", "[kv_heads]", "[batch]", "[dim]", "[rows]",
+                                 "[heads, 8]", "[batch, 64]", "[8, batch]", "[0]", "[4, 4, 2]",
+                                 "[2.5]", "[c]"])
             default = rng.choice(["", f" = {rng.choice(EDGE_NUMBERS)}", " = -1.5", " = true"])
-            lines.append(f"param {rng.choice(['cap', 'w', 'slopes', 'NULL', '__shared__'])}: "
+            lines.append(f"param {rng.choice(['cap', 'w', 'slopes', 'table', 'NULL'])}: "
                          f"{ty}{extent}{default}")
+        elif kind < 0.7:
+            lines.append(f"let {rng.choice(['dist', 'c', 'q'])} = "
+                         f"{_expr(rng, 2, rng.choice(['logits', 'mask', None]))}")
         else:
             ty = rng.choice(["float", "int", "bool"])
             lines.append(f"const {rng.choice(['c', 'w', 'cap'])}: {ty} = {_expr(rng, 2)}")
@@ -174,9 +186,17 @@ def _tiny_params(v) -> dict:
     params = {}
     for p in v.params:
         is_float = str(p.type) == "float"
-        if p.is_tensor:
-            params[p.name] = (rng.standard_normal(sizes[p.extent]).astype(np.float32)
-                              if is_float else rng.integers(0, 3, sizes[p.extent]).astype(np.int32))
+        if p.is_tensor and np.prod(p.shape(sizes), dtype=float) > 1 << 16:
+            # A table as large as the checker allows (2^31 - 1 elements): one value seen
+            # through zero strides, so the reference reads it without the memory.
+            value = {"float": 0.5, "int": 1, "bool": True}[str(p.type)]
+            dtype = {"float": np.float64, "int": np.int64, "bool": np.bool_}[str(p.type)]
+            params[p.name] = np.broadcast_to(np.asarray(value, dtype), p.shape(sizes))
+        elif p.is_tensor:
+            shape = p.shape(sizes)
+            params[p.name] = (rng.standard_normal(shape).astype(np.float32) if is_float
+                              else rng.random(shape) < 0.5 if str(p.type) == "bool"
+                              else rng.integers(0, 3, shape).astype(np.int32))
         elif p.default is None:
             params[p.name] = 1.5 if is_float else 2
     return params

@@ -125,7 +125,8 @@ def test_a_missing_right_hand_side_is_reported_on_its_line():
     ("variant a\nconst a: int = b\nconst b: int = 2\nmask = causal",
      "a const sees only the consts declared above it; 'b' is declared at line 3"),
     ("variant a\nmask = causal && causal", "write 'and'"),
-    ("variant a\nparam w: float[heads]\nlogits = logits * w[0]", "indexed by head, kv_head"),
+    ("variant a\nparam w: float[heads]\nlogits = logits * w[0]",
+     "write head there; a computed index needs a fixed extent"),
     ("variant a\nparam x: float = -(30.0)\nmask = causal", "a number literal such as -30.0"),
 ])
 def test_new_users_mistakes_get_hints(source, hint):

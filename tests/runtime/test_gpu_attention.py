@@ -191,7 +191,7 @@ def make_params(variant: ir.Variant, rng, qo, kv, num_qo_heads, num_kv_heads, he
                "dim": head_dim}
     params = {}
     for spec in variant.params:
-        if spec.extent is None:
+        if not spec.is_tensor:
             if spec.name == "bias":
                 value = -math.log(float(max(kv)))
             elif spec.type is ir.INT:
@@ -201,16 +201,19 @@ def make_params(variant: ir.Variant, rng, qo, kv, num_qo_heads, num_kv_heads, he
             else:
                 value = 1.0
         else:
-            n = extents[spec.extent]
+            n = spec.shape(extents)
             if spec.name == "slopes":
-                value = 2.0 ** (-8.0 * np.arange(1, n + 1) / n)
-            elif spec.type is ir.INT and spec.extent == "batch":
+                value = 2.0 ** (-8.0 * np.arange(1, n[0] + 1) / n[0])
+            elif spec.type is ir.INT and spec.extents == ("batch",):
                 value = rng.integers(0, np.asarray(kv) + 1)  # a prefix / offset per request
+            elif spec.type is ir.BOOL:
+                value = rng.random(n) < 0.3
             elif spec.type is ir.INT:
                 value = rng.integers(0, 4, n)
             else:
                 value = 1.0 + 0.1 * rng.standard_normal(n)
-            value = np.asarray(value, dtype=np.int32 if spec.type is ir.INT else np.float32)
+            dtype = {ir.INT: np.int32, ir.FLOAT: np.float32, ir.BOOL: bool}[spec.type]
+            value = np.asarray(value, dtype=dtype)
         params[spec.name] = value
     return params
 

@@ -232,7 +232,8 @@ def test_run_input_errors(overrides, error, match):
     (ALIBI.params, {}, ValueError, r"missing param 'slopes' \(float\[heads\]\) of variant "
                                    r"softcap: pass params=\{'slopes': ...\}"),
     (ALIBI.params, {"slopes": np.ones(4)}, ValueError,
-     r"param 'slopes' \(float\[heads\]\) must have shape \(8,\) \(one value per query head\)"),
+     r"param 'slopes' \(float\[heads\]\) must have shape \(8,\) \(heads = 8: one value per "
+     r"query head\), got \(4,\)"),
     (ALIBI.params, {"slopes": np.ones((8, 1))}, ValueError, r"must have shape \(8,\)"),
     (ALIBI.params, {"slopes": 0.5}, TypeError, r"param 'slopes'.*got a scalar"),
     (ALIBI.params, {"slopes": dev((8,), "float64")}, TypeError,
@@ -247,11 +248,13 @@ def test_run_input_errors(overrides, error, match):
     (MIXED.params, {"w": np.ones(64), "prefix": [1.0, 2.0], "kvw": np.ones(2)}, TypeError,
      r"param 'prefix' \(int\[batch\]\) must hold integers"),
     (MIXED.params, {"w": np.ones(64), "prefix": [1, 2, 3], "kvw": np.ones(2)}, ValueError,
-     r"param 'prefix' \(int\[batch\]\) must have shape \(2,\) \(one value per request\)"),
+     r"param 'prefix' \(int\[batch\]\) must have shape \(2,\) \(batch = 2: one value per "
+     r"request\)"),
     (MIXED.params, {"w": np.ones(32), "prefix": [1, 2], "kvw": np.ones(2)}, ValueError,
      r"param 'w' \(float\[dim\]\) must have shape \(64,\)"),
     (MIXED.params, {"w": np.ones(64), "prefix": [1, 2], "kvw": np.ones(8)}, ValueError,
-     r"param 'kvw' \(float\[kv_heads\]\) must have shape \(2,\) \(one value per KV head\)"),
+     r"param 'kvw' \(float\[kv_heads\]\) must have shape \(2,\) \(kv_heads = 2: one value per "
+     r"KV head\)"),
     (MIXED.params, {"w": np.ones(64), "prefix": dev((2,), "int64"), "kvw": np.ones(2)},
      TypeError, r"param 'prefix'.*must be a int32 device array, got int64"),
 ])
@@ -473,7 +476,7 @@ def test_module_round_trip(tmp_path):
     manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
     assert manifest["cubins"]["decode"]["sha256"] == hashlib.sha256(b"\x7fELF decode").hexdigest()
     assert manifest["variant"]["params"][2] == {"name": "shift", "type": "int",
-                                                "extent": None, "default": 2}
+                                                "extents": [], "default": 2}
     loaded = load_compiled(tmp_path / "m")
     assert loaded.params == module.params and loaded.softmax is False
     assert {k: c.data for k, c in loaded.cubins.items()} == {
@@ -483,6 +486,23 @@ def test_module_round_trip(tmp_path):
     assert merge.cache == "loaded" and merge.compile_seconds == 0.5
     assert (loaded.dtype, loaded.head_dim, loaded.arch) == ("bfloat16", 128, "sm_90a")
     assert loaded.label("decode") == "softcap/decode bf16 d128 sm_90a"
+
+
+def test_module_round_trip_of_tables_and_old_manifests(tmp_path):
+    tables = attnlang.parse("variant t\nparam bias: float[heads, 32]\n"
+                            "param seen: bool[batch, 64]\nlogits = logits + bias[head, 3]\n"
+                            "mask = seen[batch, kv_pos]\n")
+    fake_module(params=tables.params).save(tmp_path / "t")
+    assert load_compiled(tmp_path / "t").params == tables.params
+    # A manifest written before tables: one optional named "extent" per param.
+    fake_module(params=MIXED.params).save(tmp_path / "old")
+    path = tmp_path / "old" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    for p in manifest["variant"]["params"]:
+        extents = p.pop("extents")
+        p["extent"] = extents[0] if extents else None
+    path.write_text(json.dumps(manifest))
+    assert load_compiled(tmp_path / "old").params == MIXED.params
 
 
 def test_module_load_errors(tmp_path):

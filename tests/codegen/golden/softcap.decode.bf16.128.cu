@@ -98,6 +98,70 @@ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 __device__ __forceinline__ int iabs(int a) { return a < 0 ? -a : a; }
 
+// Int division as LANGUAGE.md defines it: a zero divisor yields 0 (a discarded where()
+// branch must not trap); `/` and `%` truncate (C), `//` and mod() floor (Python).
+__device__ __forceinline__ int idiv(int a, int b) { return b == 0 ? 0 : a / b; }
+__device__ __forceinline__ int imod(int a, int b) { return b == 0 ? 0 : a % b; }
+__device__ __forceinline__ int floor_div(int a, int b) {
+  if (b == 0) return 0;
+  const int q = a / b;
+  return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+__device__ __forceinline__ int floor_mod(int a, int b) {
+  if (b == 0) return 0;
+  const int r = a % b;
+  return (r != 0 && (r < 0) != (b < 0)) ? r + b : r;
+}
+__device__ __forceinline__ float floor_mod(float a, float b) { return a - b * floorf(a / b); }
+
+// Shifts: a count outside 0..31 shifts every bit out; << wraps in int32.
+__device__ __forceinline__ int shl(int a, int n) {
+  return static_cast<unsigned>(n) < 32u ? static_cast<int>(static_cast<unsigned>(a) << n) : 0;
+}
+__device__ __forceinline__ int shr(int a, int n) {
+  return static_cast<unsigned>(n) < 32u ? a >> n : (a < 0 ? -1 : 0);
+}
+
+// sin and cos of any float, as rope does it: x / (2 pi) = hi + lo is reduced exactly in
+// turns (the product's rounding error recovered by an fma) to f in [-1/2, 1/2], then the
+// MUFU sine of 2 pi f (|arg| <= pi): ~1e-6 absolute error at any |x| below 2^24, where
+// sinf's large-argument path would need a stack frame and a table in global memory.
+__device__ __forceinline__ float turns_fraction(const float x) {
+  const float hi = 0.15915493667125702f, lo = 6.4206382432985265e-09f;
+  const float p = x * hi;
+  return (p - rintf(p)) + (fmaf(x, hi, -p) + x * lo);
+}
+__device__ __forceinline__ float sin_reduced(const float x) {
+  return __sinf(6.283185307179586f * turns_fraction(x));
+}
+__device__ __forceinline__ float cos_reduced(const float x) {
+  return __cosf(6.283185307179586f * turns_fraction(x));
+}
+
+// int(x): toward zero, saturating at the int32 range, NaN -> 0.
+__device__ __forceinline__ int float_to_int(float x) {
+  if (x != x) return 0;
+  if (x >= 2147483647.0f) return 2147483647;
+  if (x <= -2147483648.0f) return -2147483647 - 1;
+  return static_cast<int>(x);
+}
+
+// An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
+// index is outside its extent, so no index reads out of bounds. The first extent only bounds
+// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+__device__ __forceinline__ bool table_offset(int&) { return true; }
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
+  flat = flat * extent + index;
+  const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
+  return table_offset(flat, rest...) && inside;
+}
+template <typename T, typename... Axes>
+__device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
+  int flat = 0;
+  return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+}
+
 // Length of request `batch`'s KV sequence: full pages plus the last page's valid tokens.
 __device__ __forceinline__ int request_kv_len(const int* kv_indptr, const int* kv_last_page_len,
                                               const int batch, const int page_size) {
@@ -604,6 +668,27 @@ ATTNLANG_HD IvI iv_mod(IvI a, IvI b) {
   return {a.lo >= 0 ? 0 : -m, a.hi <= 0 ? 0 : m};
 }
 ATTNLANG_HD IvF iv_mod(IvF, IvF) { return IvF::top(); }
+// Python's // and mod(): floor division by a fixed divisor is monotone in the dividend, and
+// mod(x, c) lies between 0 and c (excluded) with the sign of c. A zero divisor yields 0.
+ATTNLANG_HD long long floor_div_ll(long long a, long long b) {
+  const long long q = a / b;
+  return (a % b != 0 && (a < 0) != (b < 0)) ? q - 1 : q;
+}
+ATTNLANG_HD IvI iv_floordiv(IvI a, IvI b) {
+  if (b.lo != b.hi) return IvI::top();
+  if (b.lo == 0) return IvI::point(0);
+  const long long q1 = floor_div_ll(a.lo, b.lo), q2 = floor_div_ll(a.hi, b.lo);
+  return {mn(q1, q2), mx(q1, q2)};
+}
+ATTNLANG_HD IvF iv_floordiv(IvF, IvF) { return IvF::top(); }
+ATTNLANG_HD IvI iv_floormod(IvI a, IvI b) {
+  if (b.lo != b.hi) return IvI::top();
+  const long long c = b.lo;
+  if (c == 0) return IvI::point(0);
+  if (c > 0) return (a.lo >= 0 && a.hi < c) ? a : IvI{0, c - 1};
+  return (a.hi <= 0 && a.lo > c) ? a : IvI{c + 1, 0};
+}
+ATTNLANG_HD IvF iv_floormod(IvF, IvF) { return IvF::top(); }
 
 ATTNLANG_HD IvI iv_min(IvI a, IvI b) { return {mn(a.lo, b.lo), mn(a.hi, b.hi)}; }
 ATTNLANG_HD IvF iv_min(IvF a, IvF b) { return {fmn(a.lo, b.lo), fmn(a.hi, b.hi)}; }
@@ -706,13 +791,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 7 "examples/softcap.attn"
   return (p.u_cap * attnlang::tanh_approx((s * (1.0f / p.u_cap))));
 }
-#line 710 "softcap_decode.cu"
+#line 795 "softcap_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/softcap.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 716 "softcap_decode.cu"
+#line 801 "softcap_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -722,7 +807,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 8 "examples/softcap.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 726 "softcap_decode.cu"
+#line 811 "softcap_decode.cu"
 
 }  // namespace variant
 
