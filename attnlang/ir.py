@@ -23,9 +23,10 @@ from attnlang.errors import Span
 
 __all__ = [
     "Type", "BOOL", "INT", "FLOAT", "Expr", "Const", "Var", "Param", "ParamIndex", "Cast",
-    "Unary", "Binary", "Call", "Reduce", "Rope", "ParamSpec", "Variant",
+    "Unary", "Binary", "Call", "Reduce", "Rope", "LoopVar", "Loop", "ParamSpec", "Variant",
     "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX",
-    "SCALAR_FUNCS", "REDUCTIONS", "MAX_TENSOR_ELEMENTS", "walk", "varies_with_dim",
+    "SCALAR_FUNCS", "REDUCTIONS", "LOOP_REDUCTIONS", "MAX_LOOP_COUNT", "MAX_TENSOR_ELEMENTS",
+    "walk", "varies_with_dim",
 ]
 
 
@@ -90,6 +91,10 @@ SCALAR_FUNCS = {
 }
 # Reductions over `dim` (one argument). `min`/`max` with two arguments are the scalar forms.
 REDUCTIONS = ("sum", "mean", "max", "min")
+# Reductions over a bounded range, `sum(E for i in range(N))`; any/all take bools.
+LOOP_REDUCTIONS = ("sum", "max", "min", "any", "all")
+# Most iterations a bounded reduction may have (it is a loop per element in the kernels).
+MAX_LOOP_COUNT = 256
 
 
 def _span() -> Span | None:
@@ -203,6 +208,30 @@ class Reduce(Expr):
 
 
 @dataclass(frozen=True)
+class LoopVar(Expr):
+    """The variable of the bounded reduction that binds it (an int)."""
+
+    name: str
+    type: Type = INT
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
+class Loop(Expr):
+    """`op(body for var in range(start, stop))`: body evaluated at var = start .. stop - 1 and
+    reduced by op (sum, max, min: numbers, the body's type; any, all: bools). The bounds are
+    constants, 1 <= stop - start <= MAX_LOOP_COUNT."""
+
+    op: str
+    var: str
+    start: int
+    stop: int
+    body: Expr
+    type: Type
+    span: Span | None = _span()
+
+
+@dataclass(frozen=True)
 class Rope(Expr):
     """Rotary embedding of vector expression x at integer position pos (vector stages only).
 
@@ -295,6 +324,8 @@ def walk(e: Expr):
     elif isinstance(e, ParamIndex):
         for i in e.indices:
             yield from walk(i)
+    elif isinstance(e, Loop):
+        yield from walk(e.body)
 
 
 def varies_with_dim(e: Expr) -> bool:
@@ -306,6 +337,8 @@ def varies_with_dim(e: Expr) -> bool:
         return e.name in ("q", "k", "v", "o", "dim")
     if isinstance(e, ParamIndex):
         return any(varies_with_dim(i) for i in e.indices)
+    if isinstance(e, Loop):
+        return varies_with_dim(e.body)
     if isinstance(e, Reduce):
         return False
     if isinstance(e, Rope):

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -133,7 +133,8 @@ _CALLS: dict[str, Callable[..., np.ndarray]] = {
     "exp": np.exp, "exp2": np.exp2, "log": np.log, "log2": np.log2, "sqrt": np.sqrt,
     "rsqrt": lambda x: np.reciprocal(np.sqrt(x)), "tanh": np.tanh, "sigmoid": _sigmoid,
     "abs": np.abs, "floor": np.floor, "ceil": np.ceil, "softplus": _softplus,
-    "min": np.minimum, "max": np.maximum, "pow": np.power, "clamp": _clamp,
+    # fmin/fmax: a NaN operand is ignored, as by the kernels' fminf/fmaxf.
+    "min": np.fmin, "max": np.fmax, "pow": np.power, "clamp": _clamp,
     "where": np.where, "erf": lambda x: np.asarray(_erf(x), np.asarray(x).dtype),
     "sin": np.sin, "cos": np.cos, "mod": _floor_mod,
 }
@@ -251,6 +252,25 @@ def _eval_reduce(e: ir.Reduce, s: _Scope) -> np.ndarray:
     return s.cast(_REDUCE[e.op](s.full(_eval(e.x, s)), axis=-1, keepdims=True), e.type)
 
 
+def _eval_loop_var(e: ir.LoopVar, s: _Scope) -> np.ndarray:
+    return s.cast(s.read(e.name), e.type)
+
+
+_LOOP_REDUCE = {"sum": np.add, "max": np.fmax, "min": np.fmin, "any": np.logical_or,
+                "all": np.logical_and}
+
+
+def _eval_loop(e: ir.Loop, s: _Scope) -> np.ndarray:
+    """The body at each value of the range, reduced in order (sum from the start)."""
+    combine = _LOOP_REDUCE[e.op]
+    total = None
+    for i in range(e.start, e.stop):
+        inner = replace(s, names={**s.names, e.var: np.asarray(i, np.int64)})
+        value = s.cast(_eval(e.body, inner), e.type)
+        total = value if total is None else s.cast(combine(total, value), e.type)
+    return total
+
+
 def _eval_rope(e: ir.Rope, s: _Scope) -> np.ndarray:
     """Rotary embedding along the dim axis (see ir.Rope for the two pairings)."""
     if s.stage not in ir.VECTOR_STAGES:
@@ -281,6 +301,8 @@ _NODES: dict[type, Callable[[ir.Expr, _Scope], np.ndarray]] = {
     ir.Call: _eval_call,
     ir.Reduce: _eval_reduce,
     ir.Rope: _eval_rope,
+    ir.LoopVar: _eval_loop_var,
+    ir.Loop: _eval_loop,
 }
 
 

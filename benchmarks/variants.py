@@ -79,7 +79,8 @@ def main() -> int:
             variant = al.load(ROOT / "examples" / f"{name}.attn")
             params = params_for(torch, name, batch, rng)
             attn = al.BatchAttention(variant, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D,
-                                     dtype="bfloat16", page_size=PAGE)
+                                     dtype="bfloat16", page_size=PAGE,
+                                     max_total_q=max(8192, batch * qo_len))
             attn.plan(qo_indptr, kv_indptr, perm, last)
             out = torch.empty_like(q)
 

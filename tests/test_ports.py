@@ -141,6 +141,22 @@ def test_natten_tiled():
     _check("natten_tiled", rng, (200,), (200,), {}, score)
 
 
+def test_sandwich():
+    rng = np.random.default_rng(7)
+    qo, kv = (4, 1), (50, 9)
+    d_bar = 128
+
+    def embedding(position):  # sinusoidal, [sin | cos] of position / 10000^(2i / d)
+        freq = 10000.0 ** (-2 * np.arange(1, d_bar // 2 + 1) / d_bar)
+        return np.concatenate([np.sin(position * freq), np.cos(position * freq)])
+
+    def score(b, h, i, j, s):
+        q_pos = kv[b] - qo[b] + i
+        return s + 0.5 * float(embedding(q_pos) @ embedding(j)), j <= q_pos
+
+    _check("sandwich", rng, qo, kv, {"scale": 0.5}, score)
+
+
 def test_gelu_attention():
     rng = np.random.default_rng(6)
     qo, kv = (5, 1), (9, 30)

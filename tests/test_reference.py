@@ -173,7 +173,8 @@ def _tables_logits(s, qp, kp, b, h, n, P):
 def _tables_mask(qp, qr, kp, b, P):
     near = (kp ^ qp) < 24
     keep = _take(P["keep"][b], kp).astype(bool)
-    return (keep | near) & (int(qp * 0.5) >= kp // 2 - 3 - qr) & ~(kp * 2 == -2)
+    return ((keep | near) & (int(qp * 0.5) >= kp // 2 - 3 - qr) & ~(kp * 2 == -2)
+            & ~np.isin(kp, [2, 7, 12]) & (qp - kp > -70))
 
 
 PAPERS: dict[str, Paper] = {
@@ -253,6 +254,12 @@ PAPERS: dict[str, Paper] = {
                                            & (P["key_image"][b][kp] == P["text_image"][b][qr])),
     ),
     "natten_tiled": Paper(mask=lambda qp, kp, b, P: _natten(qp, kp)),
+    "sandwich": Paper(  # sum_i cos((m - n) w_i) = <p_m, p_n> of sinusoidal embeddings
+        params=lambda rng, dims: {"scale": 0.7},
+        logits=lambda s, qp, kp, b, h, n, P: s + P["scale"] * np.cos(
+            np.multiply.outer(qp - kp, 10000.0 ** (-2 * np.arange(1, 65) / 128))).sum(-1),
+        mask=lambda qp, kp, b, P: causal(qp, kp),
+    ),
     "gelu_attention": Paper(
         logits=lambda s, qp, kp, b, h, n, P: 0.5 * s * (1 + _erf(s / math.sqrt(2))) / (qp + 1),
         mask=lambda qp, kp, b, P: causal(qp, kp),

@@ -11,7 +11,7 @@ VARIANT_IDS = [p.stem for p in VARIANT_FILES]
 # reference and GPU tests run each of them; the slow CPU checks (the emulated kernels, the
 # spill checks of every kernel) run their constructs once, through tests/variants/tables.attn,
 # to keep the suite within its minutes.
-PORT_IDS = ("flamingo_xattn", "gelu_attention", "longformer", "natten_tiled", "swin_bias",
-            "t5_bias")
+PORT_IDS = ("flamingo_xattn", "gelu_attention", "longformer", "natten_tiled", "sandwich",
+            "swin_bias", "t5_bias")
 CPU_HEAVY_FILES = [p for p in VARIANT_FILES if p.stem not in PORT_IDS]
 CPU_HEAVY_IDS = [p.stem for p in CPU_HEAVY_FILES]

@@ -30,9 +30,9 @@ __all__ = ["check"]
 
 _TYPES = {"float": FLOAT, "int": INT, "bool": BOOL}
 _ROPE_FUNCS = ("rope", "rope_interleaved")
-_ALL_FUNCS = tuple(ir.SCALAR_FUNCS) + ir.REDUCTIONS + _ROPE_FUNCS
+_ALL_FUNCS = tuple(ir.SCALAR_FUNCS) + ir.REDUCTIONS + _ROPE_FUNCS + ("any", "all", "range")
 _KEYWORDS = {"variant", "param", "const", "let", "softmax", "on", "off", "and", "or", "not",
-             "true", "false", "where"}
+             "true", "false", "where", "for", "in"}
 # Names a declaration may not take.
 _RESERVED = set(ir.INDEX_VARS) | set(_ALL_FUNCS) | {"float", "int", "bool"} | _KEYWORDS
 # Float-only scalar functions (these keep ints; where, int and float are typed apart).
@@ -79,6 +79,7 @@ class _Checker:
         self.lets: dict[str, ast.LetDecl] = {}
         self.let_values: dict[tuple[str, str], ir.Expr | None] = {}  # (let, stage) -> IR
         self.let_uses: list[tuple[str, Span]] = []  # the lets being expanded, innermost last
+        self.loop_vars: list[str] = []  # the bounded reductions' variables in scope
         # Names whose declaration had an error: uses stay silent (no cascade of errors).
         self.broken: set[str] = set()
 
@@ -351,6 +352,8 @@ class _Checker:
         return ir.Const(n.value, BOOL, n.span)
 
     def expr_Name(self, n: ast.Name, stage):
+        if n.id in self.loop_vars:
+            return ir.LoopVar(n.id, INT, n.span)
         if n.id in self.broken:
             raise _Poison
         if n.id in self.consts:
@@ -543,6 +546,49 @@ class _Checker:
             return self.fold(ir.Call(f, tuple(args), INT, n.span))
         args = [self.to_float(a, s) for a, s in zip(args, spans, strict=True)]
         return self.fold(ir.Call(f, tuple(args), FLOAT, n.span))
+
+    def expr_Comprehension(self, n: ast.Comprehension, stage):
+        """`op(body for var in range(...))`: a loop the kernels run per element."""
+        if n.func not in ir.LOOP_REDUCTIONS:
+            self.fail(AttnTypeError, f"'{n.func}' cannot reduce over a range", n.func_span,
+                      "the reductions over a range are " + ", ".join(ir.LOOP_REDUCTIONS))
+        if n.range_func != "range":
+            self.fail(AttnTypeError, f"expected range(...), found '{n.range_func}'",
+                      n.range_span, "write 'for i in range(N)' or 'range(start, stop)'")
+        if stage is None:
+            self.fail(AttnDeclarationError, "a const cannot use a reduction over a range",
+                      n.span, "a const may use literals and earlier consts only")
+        if not 1 <= len(n.range_args) <= 2:
+            self.fail(AttnTypeError, f"range() takes 1 or 2 arguments, found "
+                      f"{len(n.range_args)}", n.range_span)
+        bounds = []
+        for arg in self.exprs(n.range_args, None):
+            if not (isinstance(arg, ir.Const) and arg.type is INT):
+                self.fail(AttnTypeError, "range() bounds must be int constants", arg.span,
+                          "literals or int consts: the kernels unroll nothing at run time")
+            bounds.append(arg.value)
+        start, stop = (0, bounds[0]) if len(bounds) == 1 else bounds
+        if not 1 <= stop - start <= ir.MAX_LOOP_COUNT:
+            self.fail(AttnTypeError, f"range({', '.join(map(str, bounds))}) has "
+                      f"{max(stop - start, 0)} values; a reduction takes 1 to "
+                      f"{ir.MAX_LOOP_COUNT}", n.range_span)
+        if n.var in _RESERVED or n.var in self.declared_at or n.var in self.loop_vars:
+            self.fail(AttnNameError, f"the loop variable '{n.var}' hides another name",
+                      n.var_span, "choose another name")
+        self.loop_vars.append(n.var)
+        try:
+            body = self.expr(n.body, stage)
+        finally:
+            self.loop_vars.pop()
+        if any(isinstance(e, (ir.Reduce, ir.Rope)) for e in ir.walk(body)):
+            self.fail(AttnTypeError, "a reduction over dim or a rope cannot be inside a "
+                      "reduction over a range", n.body.span,
+                      "compute it outside, e.g. in a let")
+        if n.func in ("any", "all"):
+            self.need(body, BOOL, n.body.span, f"{n.func}()")
+        else:
+            self.need_number(body, n.body.span, f"{n.func}()")
+        return ir.Loop(n.func, n.var, start, stop, body, body.type, n.span)
 
     def vector_stage_only(self, n: ast.Call, stage):
         if stage not in ir.VECTOR_STAGES and stage != _ANY_STAGE:

@@ -315,6 +315,8 @@ def _children(e: ir.Expr) -> tuple[ir.Expr, ...]:
         return (e.x, e.pos, e.theta)
     if isinstance(e, ir.ParamIndex):
         return e.indices
+    if isinstance(e, ir.Loop):
+        return (e.body,)
     return ()
 
 
@@ -337,6 +339,10 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
         return f"p.{member_name(e.name)}"
     if isinstance(e, ir.ParamIndex):
         return table_c(e, lambda i: expr_c(i, env))
+    if isinstance(e, ir.LoopVar):
+        return f"loop_{e.name}"
+    if isinstance(e, ir.Loop):
+        return _loop_c(e, expr_c(e.body, env))
     if isinstance(e, ir.Cast):
         if isinstance(e.x, ir.Const) and e.x.type is INT:
             return _float_literal(float(e.x.value))
@@ -364,6 +370,25 @@ def expr_c(e: ir.Expr, env: _Env) -> str:
     if isinstance(e, (ir.Reduce, ir.Rope)):
         raise ValueError(f"{type(e).__name__} outside a vector stage")
     raise TypeError(f"unknown IR node {type(e).__name__}")
+
+
+# A bounded reduction's start value and step, by (op, type).
+_LOOP_INIT = {"sum": {INT: "0", FLOAT: "0.0f"},
+              "max": {INT: "(-2147483647 - 1)", FLOAT: "attnlang::neg_inf()"},
+              "min": {INT: "2147483647", FLOAT: "(-attnlang::neg_inf())"},
+              "any": {BOOL: "false"}, "all": {BOOL: "true"}}
+_LOOP_STEP = {"sum": "acc + ({v})", "max": "attnlang::imax(acc, {v})",
+              "min": "attnlang::imin(acc, {v})", "any": "acc || ({v})", "all": "acc && ({v})"}
+_LOOP_STEP_FLOAT = {"max": "fmaxf(acc, {v})", "min": "fminf(acc, {v})"}
+
+
+def _loop_c(e: ir.Loop, body: str) -> str:
+    """A bounded reduction as an immediately invoked lambda (an expression, like the rest)."""
+    ctype = _CTYPE[e.type]
+    step = (_LOOP_STEP_FLOAT if e.type is FLOAT else {}).get(e.op, _LOOP_STEP[e.op])
+    return (f"([&]() {{ {ctype} acc = {_LOOP_INIT[e.op][e.type]}; "
+            f"for (int loop_{e.var} = {e.start}; loop_{e.var} < {e.stop}; ++loop_{e.var}) "
+            f"acc = {step.format(v=body)}; return acc; }}())")
 
 
 def table_c(e: ir.ParamIndex, index_c) -> str:

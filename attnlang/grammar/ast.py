@@ -74,6 +74,21 @@ class Call(Node):
 
 
 @dataclass(frozen=True)
+class Comprehension(Node):
+    """`func(body for var in range(args...))`: a reduction over a bounded integer range."""
+
+    func: str
+    body: Node
+    var: str
+    range_func: str
+    range_args: tuple[Node, ...]
+    span: Span = _span()
+    func_span: Span = _span()
+    var_span: Span = _span()
+    range_span: Span = _span()
+
+
+@dataclass(frozen=True)
 class BinOp(Node):
     """Binary operators, comparisons and `and`/`or`; `op` is the source spelling."""
 

@@ -49,6 +49,8 @@ _TERMINAL_WORDS = {
     "_PARAM": "'param'",
     "_CONST": "'const'",
     "_LET": "'let'",
+    "_FOR": "'for'",
+    "_IN": "'in'",
     "SOFTMAX": "'softmax'",
     "ON": "'on'",
     "OFF": "'off'",
@@ -323,6 +325,13 @@ class _ToAst(Transformer):
         args = tuple(a for a in rest if not isinstance(a, ast.Keyword))
         kwargs = tuple(a for a in rest if isinstance(a, ast.Keyword))
         return ast.Call(str(func), args, kwargs, self._span(meta), self._tspan(func))
+
+    @v_args(meta=True)
+    def comprehension(self, meta, children):
+        func, body, var, range_func, *args = children
+        return ast.Comprehension(str(func), body, str(var), str(range_func), tuple(args),
+                                 self._span(meta), self._tspan(func), self._tspan(var),
+                                 self._tspan(range_func))
 
     @v_args(meta=True)
     def kwarg(self, meta, children):

@@ -71,6 +71,13 @@ inline float __log2f(float x) { return log2f(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 inline void __sincosf(float x, float* s, float* c) { *s = sinf(x); *c = cosf(x); }
 inline float __sinf(float x) { return sinf(x); }
+// cvt.rzi.s32.f32: toward zero, saturating, NaN -> 0.
+inline int __float2int_rz(float x) {
+  if (x != x) return 0;
+  if (x >= 2147483647.0f) return 2147483647;
+  if (x <= -2147483648.0f) return -2147483647 - 1;
+  return static_cast<int>(x);
+}
 inline float __cosf(float x) { return cosf(x); }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 template <typename T> inline T __ldg(const T* p) { return *p; }

@@ -43,6 +43,8 @@ EXTRA_MASKS = {
     "floor_blocks": "mask = (q_pos - 40) // 16 >= kv_pos // -16 * -1 - 2 and causal",
     "floor_mod": "mask = mod(kv_pos - 30, 7) < 3 or mod(q_pos, -5) == -1 or q_row < 9",
     "bitwise": "mask = ((kv_pos & 12) ^ (q_pos | 1)) > 5 and ~kv_pos < -3 and kv_pos >> 2 < 99",
+    "loops": "mask = causal and not any(kv_pos == 9 * j + 4 for j in range(5))"
+             " and min(q_pos - kv_pos + j for j in range(3)) < 300",
     "lets_table": "param seen: bool[batch, 50]\nlet d = q_pos - kv_pos\n"
                   "mask = (d >= 0) & (d // 8 < 3) | seen[batch, kv_pos]",
 }

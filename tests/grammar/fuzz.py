@@ -41,7 +41,7 @@ EXAMPLES = sorted((ROOT / "examples").glob("*.attn")) + sorted(
 
 NAMES = ["logits", "q_pos", "kv_pos", "head", "kv_head", "batch", "qo_len", "kv_len", "dim",
          "sm_scale", "head_dim", "num_heads", "num_kv_heads", "causal", "q", "k", "v", "o",
-         "cap", "w", "slopes", "undefined_name", "true", "false", "q_row", "dist", "table"]
+         "cap", "w", "slopes", "undefined_name", "true", "false", "q_row", "dist", "table", "i"]
 FUNCS = ["exp", "exp2", "log", "log2", "sqrt", "rsqrt", "tanh", "sigmoid", "abs", "min", "max",
          "pow", "floor", "ceil", "clamp", "softplus", "where", "sum", "mean", "rope", "erf",
          "sin", "cos", "mod", "int", "float"]
@@ -81,8 +81,13 @@ def _expr(rng: random.Random, depth: int, stage: str | None = None) -> str:
         if fn == "rope" and rng.random() < 0.5:
             args += ", theta=" + rng.choice(EDGE_NUMBERS[:8])
         return f"{fn}({args})"
-    if pick < 0.95:
+    if pick < 0.93:
         return f"slopes[{rng.choice(['head', 'kv_head', 'batch', 'dim', 'q_pos'])}]"
+    if pick < 0.97:
+        op = rng.choice(["sum", "max", "min", "any", "all", "mean", "where"])
+        bounds = rng.choice(["4", "1, 3", "0", "300", "c", "kv_len", "2, 1", "1, 2, 3"])
+        var = rng.choice(["i", "j", "head", "i"])
+        return f"{op}({_expr(rng, depth - 1, stage)} for {var} in range({bounds}))"
     indices = [rng.choice(["head", "batch", "q_pos - kv_pos", "kv_pos // 4", "-1", "40",
                            _expr(rng, depth - 1, stage)]) for _ in range(rng.randint(1, 3))]
     return f"table[{', '.join(indices)}]"

@@ -526,6 +526,30 @@ def test_saved_module_runs_like_the_variant(cp, tmp_path):
         attnlang.BatchAttention(loaded, 4, 4, 64, "bfloat16", 16)
 
 
+def test_integer_edge_cases_match_the_reference(cp):
+    # The rules of LANGUAGE.md section 9 the kernels implement with their own instructions:
+    # int() of NaN and of huge floats (cvt.rzi saturates), shifts by counts outside 0..31,
+    # and //, %, / and mod by a zero known only at run time.
+    variant = attnlang.parse(
+        "variant edges\nparam z: float = 0.0\nparam big: float = 1e30\nparam n: int = 0\n"
+        "let s = q_pos % 40 - 3\n"
+        "logits = logits + 1e-9 * (float(int(log(z - 1.0))) + float(int(big))"
+        " + float(int(-big)) + float(q_pos << s))"
+        " + 0.01 * float((-q_pos >> s) + q_pos // n + q_pos % n + q_pos / n + mod(q_pos, n)"
+        " + (kv_pos - 9) // 4 + mod(kv_pos - 9, -4) + (kv_pos - 9) / 4 + (kv_pos - 9) % 4)\n"
+        "mask = ((q_pos << s) & 7) != 5 and mod(kv_pos - 9, -4) != -2\n"
+        "       and (kv_pos - 9) // 4 != -1\n")
+    rng = np.random.default_rng(8)
+    qo, kv = np.array([1, 40]), np.array([90, 60])
+    batch = make_batch(rng, qo, kv, 4, 2, 64, 16, "bfloat16")
+    q, kc, vc = (to_device(cp, x, "bfloat16") for x in (batch.q, batch.k_cache, batch.v_cache))
+    attn = attnlang.BatchAttention(variant, 4, 2, 64, "bfloat16", 16)
+    attn.plan(*batch.table)
+    got = from_device(cp, attn.run(q, (kc, vc)), "bfloat16")
+    ref, _ = attention_paged(variant, batch.q, batch.k_cache, batch.v_cache, *batch.table)
+    assert rel_l2(got, ref) < 1e-2
+
+
 # ---------------------------------------------------------------------------- validation
 
 
