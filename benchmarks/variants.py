@@ -4,6 +4,7 @@ bf16, head_dim 128, page 16 (pages shuffled), 32 query / 8 KV heads. Each varian
 same inputs as `causal`, with its own params:
 - t5_bias: a random float[heads, 32] bias table, sm_scale 1/sqrt(128) (as the others);
 - longformer: window 256 either side, bool[batch, 16384] with 3 global tokens per request;
+- sandwich: a 64-term sum of cosines per score (computed, not looked up);
 - natten_tiled: a 64x64 image (4096 tokens), 7x7 neighbourhoods (S4096 and decode only).
 Longformer and NATTEN see other pairs than causal: their ratio says what the mask costs.
 Workloads: prefill (qo_len = kv_len) at 1 x 4096 and 1 x 16384, and decode (one query per
@@ -34,7 +35,7 @@ except ImportError:  # run as `python3 -m benchmarks.variants`
 
 ROOT = Path(__file__).resolve().parent.parent
 HQ, HKV, D, PAGE = 32, 8, 128, 16
-VARIANTS = ("causal", "t5_bias", "longformer", "natten_tiled")
+VARIANTS = ("causal", "t5_bias", "sandwich", "longformer", "natten_tiled")
 WORKLOADS = {  # name: (requests, qo_len, kv_len)
     "prefill S4096": (1, 4096, 4096),
     "prefill S16384": (1, 16384, 16384),
@@ -74,7 +75,7 @@ def main() -> int:
         last = np.full(batch, kv_len - (pages_per - 1) * PAGE, np.int32)
         base = None
         for name in VARIANTS:
-            if name == "natten_tiled" and kv_len != 4096:
+            if name in ("natten_tiled", "sandwich") and kv_len != 4096:
                 continue
             variant = al.load(ROOT / "examples" / f"{name}.attn")
             params = params_for(torch, name, batch, rng)
