@@ -382,11 +382,18 @@ _LOOP_STEP = {"sum": "acc + ({v})", "max": "attnlang::imax(acc, {v})",
 _LOOP_STEP_FLOAT = {"max": "fmaxf(acc, {v})", "min": "fminf(acc, {v})"}
 
 
+# Longest bounded reduction the C++ compiler may unroll.
+_UNROLLED_LOOP = 8
+
+
 def _loop_c(e: ir.Loop, body: str) -> str:
     """A bounded reduction as an immediately invoked lambda (an expression, like the rest)."""
     ctype = _CTYPE[e.type]
     step = (_LOOP_STEP_FLOAT if e.type is FLOAT else {}).get(e.op, _LOOP_STEP[e.op])
-    return (f"([&]() {{ {ctype} acc = {_LOOP_INIT[e.op][e.type]}; "
+    # A long loop stays a loop: the kernels already unroll the elements around it (64 per
+    # thread in the wgmma path), and 64 x 64 unrolled bodies take NVRTC minutes.
+    rolled = '_Pragma("unroll 1") ' if e.stop - e.start > _UNROLLED_LOOP else ""
+    return (f"([&]() {{ {ctype} acc = {_LOOP_INIT[e.op][e.type]}; {rolled}"
             f"for (int loop_{e.var} = {e.start}; loop_{e.var} < {e.stop}; ++loop_{e.var}) "
             f"acc = {step.format(v=body)}; return acc; }}())")
 

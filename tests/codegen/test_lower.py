@@ -394,3 +394,14 @@ def test_lowering_is_pure_and_span_independent():
     strip = lambda h: re.sub(r"#line \d+ .*\n", "", h.source)  # noqa: E731
     assert strip(lower(a)) == strip(lower(b))
     assert lower(a) == lower(a)
+
+
+def test_bounded_reductions_are_loops_long_ones_rolled():
+    v = attnlang.parse("variant r\nlogits = logits + sum(float(i) for i in range(64))\n"
+                 "mask = any(kv_pos == j for j in range(2, 5))")
+    h = lower(v)
+    # 64 terms stay a loop (NVRTC took minutes unrolling them inside the unrolled elements).
+    assert ('_Pragma("unroll 1") for (int loop_i = 0; loop_i < 64; ++loop_i) '
+            'acc = acc + (((float)(loop_i)));') in h.logits
+    assert "for (int loop_j = 2; loop_j < 5; ++loop_j) acc = acc || (" in h.mask
+    assert "_Pragma" not in h.mask

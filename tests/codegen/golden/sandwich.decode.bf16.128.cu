@@ -786,7 +786,7 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 10 "examples/sandwich.attn"
-  return (s + (p.u_scale * ([&]() { float acc = 0.0f; for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) / 128.0f) * 13.287712379549449f))))); return acc; }())));
+  return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) / 128.0f) * 13.287712379549449f))))); return acc; }())));
 }
 #line 792 "sandwich_decode.cu"
 
