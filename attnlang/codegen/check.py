@@ -60,7 +60,7 @@ def check(module: ast.Module, source: str = "", filename: str = "<string>") -> i
 
     >>> from attnlang.grammar.parser import parse_ast
     >>> v = check(parse_ast("variant c\\nmask = causal"))
-    >>> v.mask
+    >>> v.mask  # doctest: +ELLIPSIS
     Binary(op='<=', a=Var(name='kv_pos', type=<Type.INT: 'int'>), ...)
 
     Raises AttnErrors carrying every error of the file.

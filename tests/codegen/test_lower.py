@@ -12,7 +12,8 @@ import pytest
 
 import attnlang
 from attnlang import ir
-from attnlang.codegen.lower import LINE_RESET, KernelParam, _Env, expr_c, lower
+from attnlang.codegen.c_expr import Env, expr_c
+from attnlang.codegen.lower import LINE_RESET, KernelParam, lower
 from attnlang.errors import Span
 from attnlang.ir import BOOL, FLOAT, INT
 from tests.variant_files import VARIANT_FILES, VARIANT_IDS
@@ -39,11 +40,11 @@ def call(fn, *args, t=FLOAT):
 
 
 def scalar(e, stage="logits"):
-    return expr_c(e, _Env(stage))
+    return expr_c(e, Env(stage))
 
 
 def elem(e, stage="query"):
-    return expr_c(e, _Env(stage, elem=True, input=ir.STAGE_INPUT[stage]))
+    return expr_c(e, Env(stage, elem=True, input=ir.STAGE_INPUT[stage]))
 
 
 # ---------------------------------------------------------------------------- literals
@@ -193,7 +194,7 @@ def test_calls(fn, args, t, text):
 
 
 def test_every_scalar_function_has_a_c_form():
-    from attnlang.codegen.lower import _CALLS
+    from attnlang.codegen.c_expr import _CALLS
 
     # float() is a Cast by the time it reaches the lowering; int() yields an int.
     for fn in set(ir.SCALAR_FUNCS) - {"float", "int"}:

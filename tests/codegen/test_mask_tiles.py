@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import attnlang as al
-from attnlang import ir, reference
+from attnlang import interpret, ir
 from attnlang.codegen.mask_tiles import (
     EMPTY,
     FULL,
@@ -103,9 +103,9 @@ def _truth(v: ir.Variant, tile: dict, params: dict) -> tuple[bool, bool]:
              "kv_len": np.asarray(tile["kv_len"]), "num_heads": np.asarray(NUM_HEADS),
              "num_kv_heads": np.asarray(NUM_KV_HEADS), "head_dim": np.asarray(HEAD_DIM),
              "sm_scale": np.asarray(0.125), "causal": kv_pos <= q_pos}
-    scope = reference._Scope("mask", shape, names, {k: np.asarray(x) for k, x in params.items()},
+    scope = interpret.Scope("mask", shape, names, {k: np.asarray(x) for k, x in params.items()},
                              np.float32)
-    visible = np.broadcast_to(reference._eval(v.mask, scope), shape)
+    visible = np.broadcast_to(interpret.evaluate(v.mask, scope), shape)
     return bool(visible.any()), bool(visible.all())
 
 

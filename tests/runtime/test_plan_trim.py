@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import attnlang as al
-from attnlang import ir, reference
+from attnlang import interpret, ir
 from attnlang.runtime import planner
 from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
 from tests.codegen.test_mask_tiles import VARIANTS, random_params
@@ -33,9 +33,9 @@ def _visible(v: ir.Variant, b: int, qo: int, kv: int, params: dict) -> np.ndarra
              "num_heads": np.asarray(NUM_HEADS), "num_kv_heads": np.asarray(NUM_KV_HEADS),
              "head_dim": np.asarray(HEAD_DIM), "sm_scale": np.asarray(0.125),
              "causal": kv_pos <= q_pos}
-    scope = reference._Scope("mask", shape, names,
+    scope = interpret.Scope("mask", shape, names,
                              {k: np.asarray(x) for k, x in params.items()}, np.float32)
-    vis = np.broadcast_to(reference._eval(v.mask, scope), shape)
+    vis = np.broadcast_to(interpret.evaluate(v.mask, scope), shape)
     # head = kv_head * group + g, fused row = i * group + g
     return vis.reshape(NUM_KV_HEADS, GROUP, qo, kv).transpose(0, 2, 1, 3).reshape(
         NUM_KV_HEADS, qo * GROUP, kv)
