@@ -238,22 +238,23 @@ def list_entries() -> list[dict[str, Any]]:
 
 
 def clear_cache() -> int:
-    """Remove every disk entry (with lock files, temp files and failed dumps) and empty the
-    in-process cache; returns the number of entries removed."""
+    """Remove every disk entry (with lock files, temp files, failed dumps and the toolchain
+    memo) and empty the in-process cache; returns the number of entries removed."""
     clear_memory_cache()
     directory = cache_dir()
     if not directory.is_dir():
         return 0
     removed = 0
-    for pattern in ("*.cubin", "*.lock", ".*.tmp", "failed/*.cu"):
+    for pattern in ("*.cubin", "*.lock", ".*.tmp", "failed/*.cu", "toolchain/memo.json"):
         for path in directory.glob(pattern):
             try:
                 path.unlink()
             except OSError:
                 continue
             removed += pattern == "*.cubin"
-    with contextlib.suppress(OSError):
-        (directory / "failed").rmdir()
+    for sub in ("failed", "toolchain"):
+        with contextlib.suppress(OSError):
+            (directory / sub).rmdir()
     return removed
 
 

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import glob
+import json
 import os
 import re
 import sys
@@ -41,7 +43,8 @@ from attnlang.runtime.cache import (
 
 __all__ = [
     "FunctionInfo", "Cubin", "CompileError", "ToolchainError", "compile_source",
-    "resolve_arch", "cuda_include_dirs", "nvrtc_version", "toolchain_fingerprint",
+    "resolve_arch", "cuda_include_dirs", "nvrtc_version", "toolchain_fingerprint", "toolchain",
+    "Toolchain",
     "parse_ptxas_report", "cache_key", "cache_dir", "list_entries", "clear_cache",
     "clear_memory_cache",
 ]
@@ -167,6 +170,80 @@ def _fingerprint(include_dirs: tuple[str, ...]) -> str:
     headers = next(filter(None, map(_header_version, include_dirs)), None)
     return (f"nvrtc {major}.{minor} | cupy {_cupy_version()} | cuda headers {headers} | "
             f"format {FORMAT_VERSION}")
+
+
+@dataclass(frozen=True)
+class Toolchain:
+    """The CUDA header directories, the fingerprint and the NVRTC version of this process."""
+
+    include_dirs: tuple[str, ...]
+    fingerprint: str
+    nvrtc: tuple[int, int]
+
+
+_TOOLCHAINS: dict[str, Toolchain] = {}
+
+
+def toolchain() -> Toolchain:
+    """This process's Toolchain, remembered in the cache directory (``toolchain/memo.json``)
+    under a probe of the installation, so that a cache hit imports no CuPy: finding NVRTC's
+    version and CuPy's CUDA path costs ~0.15 s of imports, most of a hit's time.
+
+    The probe names what decides the answer without importing anything: where CuPy is and
+    the modification times of its ``__init__.py`` and of the NVIDIA wheels' library
+    directories (an upgrade rewrites them), the CUDA environment variables and where
+    /usr/local/cuda points. `clear_cache` forgets the memo.
+    """
+    probe = _installation_probe()
+    memo = cache_dir() / "toolchain" / "memo.json"
+    known = _TOOLCHAINS.get(json.dumps([probe, str(memo)]))
+    if known is not None:
+        return known
+    found = _read_memo(memo, probe) or _find_toolchain(memo, probe)
+    _TOOLCHAINS[json.dumps([probe, str(memo)])] = found
+    return found
+
+
+def _read_memo(memo: Path, probe: list) -> Toolchain | None:
+    try:
+        data = json.loads(memo.read_text())
+        if data["probe"] == probe:
+            return Toolchain(tuple(data["include_dirs"]), str(data["fingerprint"]),
+                             (int(data["nvrtc"][0]), int(data["nvrtc"][1])))
+    except (OSError, ValueError, KeyError, TypeError, IndexError):
+        pass
+    return None
+
+
+def _find_toolchain(memo: Path, probe: list) -> Toolchain:
+    found = Toolchain(tuple(cuda_include_dirs()), toolchain_fingerprint(), nvrtc_version())
+    try:
+        memo.parent.mkdir(parents=True, exist_ok=True)
+        tmp = memo.with_name(f".memo.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"probe": probe, "include_dirs": list(found.include_dirs),
+                                   "fingerprint": found.fingerprint, "nvrtc": found.nvrtc}))
+        os.replace(tmp, memo)
+    except OSError:
+        pass  # an unwritable cache only costs the imports next time
+    return found
+
+
+def _installation_probe() -> list:
+    import importlib.util
+
+    def mtime(path: str | None) -> int | None:
+        try:
+            return os.stat(path).st_mtime_ns if path else None
+        except OSError:
+            return None
+
+    spec = importlib.util.find_spec("cupy")
+    origin = spec.origin if spec is not None else None
+    site = os.path.dirname(os.path.dirname(origin)) if origin else None
+    wheels = sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib"))) if site else []
+    return [origin, mtime(origin), [[w, mtime(w)] for w in wheels],
+            [os.environ.get(v) for v in ("CUDA_PATH", "CUDA_HOME", "ATTNLANG_CUDA_INCLUDE")],
+            os.path.realpath("/usr/local/cuda"), FORMAT_VERSION]
 
 
 # ---------------------------------------------------------------------------- headers
@@ -411,8 +488,9 @@ def compile_source(source: str, arch: str | None = None, *, name: str = "kernel.
     arch = resolve_arch(arch)
     options = _check_options(options)
     label = label or name
-    include_dirs = cuda_include_dirs()
-    key = cache_key(source, arch, (*_BASE_OPTIONS, *options), toolchain_fingerprint())
+    chain = toolchain()
+    include_dirs = list(chain.include_dirs)
+    key = cache_key(source, arch, (*_BASE_OPTIONS, *options), chain.fingerprint)
     _dump_debug(label, key, source=source)
 
     cubin = cache.memory_get(key)

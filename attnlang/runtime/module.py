@@ -186,7 +186,7 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     -> ``("decode", "prefill", "merge")``.
     """
     from attnlang.pipeline import generate_source
-    from attnlang.runtime.compiler import compile_source, nvrtc_version, resolve_arch
+    from attnlang.runtime.compiler import compile_source, resolve_arch, toolchain
 
     if not isinstance(variant, ir.Variant):
         raise TypeError(f"variant must be an attnlang Variant (attnlang.load(...)), got "
@@ -215,7 +215,7 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
         cubins = {kind: futures[kind].result() for kind in kinds}
     entries = {kind: _entry_name(kind, [f.name for f in cubins[kind].functions], labels[kind])
                for kind in kinds}
-    major, minor = nvrtc_version()
+    major, minor = toolchain().nvrtc  # no CuPy import when every kernel was cached
     module = KernelModule(
         name=variant.name, params=tuple(variant.params), softmax=bool(variant.softmax),
         dtype=dtype, head_dim=head_dim, arch=arch, cubins=cubins, entries=entries,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hashlib
 import multiprocessing
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -52,6 +54,7 @@ extern "C" __global__ void widen(const __nv_bfloat16* x, __half* y, int n) {
 def reset_compiler_state() -> None:
     """Forget everything this process compiled, so the next compile starts cold."""
     cache.clear_memory_cache()
+    compiler._TOOLCHAINS.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -197,6 +200,34 @@ def test_two_processes_compile_once(fresh_cache):
     assert len(set(digests)) == 1 and len(set(paths)) == 1
     assert [p.name for p in fresh_cache.glob("*.cubin")] == [Path(paths[0]).name]
     assert not list(fresh_cache.glob(".*.tmp"))
+
+
+@needs_nvrtc
+def test_a_cache_hit_imports_no_cupy(fresh_cache, monkeypatch):
+    # The first compile finds the toolchain (CuPy's NVRTC, the CUDA headers) and remembers it
+    # in the cache directory; a later process serves its hit without importing CuPy.
+    source = KERNEL + "\n// the cache-hit test\n"
+    assert compile_source(source, "sm_90a").cache == "miss"
+    memo = fresh_cache / "toolchain" / "memo.json"
+    assert memo.is_file()
+    code = ("import sys; from attnlang.runtime.compiler import compile_source; "
+            f"c = compile_source({source!r}, 'sm_90a'); print(c.cache, 'cupy' in sys.modules)")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         env=os.environ.copy(), timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.split() == ["disk", "False"]
+    # Another installation probe (here a CUDA variable) finds the toolchain again; a corrupt
+    # memo is ignored; clear_cache forgets it.
+    chain = compiler.toolchain()
+    memo.write_text("{not json")
+    compiler._TOOLCHAINS.clear()
+    assert compiler.toolchain() == chain
+    probe = compiler._installation_probe()
+    assert compiler._read_memo(memo, probe) == chain
+    monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", "") + "/elsewhere")
+    assert compiler._read_memo(memo, compiler._installation_probe()) is None
+    cache.clear_cache()
+    assert not memo.exists()
 
 
 # ---------------------------------------------------------------------------- compiling
