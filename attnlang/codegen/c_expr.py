@@ -23,7 +23,6 @@ __all__ = ["Env", "expr_c", "table_c", "member_name", "literal", "c_string", "ch
 CTYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
 # Bool tables are bytes (torch.bool / numpy bool storage), read as `!= 0`.
 TENSOR_CTYPE = {INT: "const int*", FLOAT: "const float*", BOOL: "const unsigned char*"}
-_FLT_MAX = 3.4028234663852886e38
 # The largest decimal that still rounds to a finite float32 (the checker's rule): half an ulp
 # of FLT_MAX above it rounds down to it.
 _FLT_MAX_DECIMAL = 3.4028235677973362e38
@@ -116,9 +115,9 @@ VARS = {
     "causal": "(ix.kv_pos <= ix.q_pos)",
     "logits": "s",
 }
-# The run-time size of each named extent; a `batch` axis is always the first, whose extent
-# only bounds its index, and a request's index is always inside.
-_EXTENT_C = {"heads": "ix.num_heads", "kv_heads": "ix.num_kv_heads", "batch": "0x7fffffff",
+# The run-time size of each named extent. A `batch` axis is always the first, whose extent
+# enters no stride (and its index, a request of the batch, is not tested): any value will do.
+_EXTENT_C = {"heads": "ix.num_heads", "kv_heads": "ix.num_kv_heads", "batch": "0",
              "dim": "attnlang::kHeadDim"}
 # A literal divisor other than 0 needs no zero test: C's own / and % then.
 _LITERAL_DIVISION = {("/", INT): "({a} / {b})", ("%", INT): "({a} % {b})"}
@@ -289,8 +288,10 @@ def _loop_c(e: ir.Loop, body: str) -> str:
 
 
 def table_c(e: ir.ParamIndex, index_c) -> str:
-    """C text of a table read; index_c renders one index expression."""
-    axes = ", ".join(f"{index_c(i)}, {_EXTENT_C[n] if isinstance(n, str) else n}"
+    """C text of a table read; index_c renders one index expression. A named extent's index
+    is the kernel's own variable, in range by construction (`Known`: no bound test)."""
+    axes = ", ".join(f"attnlang::Known{{{index_c(i)}}}, {_EXTENT_C[n]}" if isinstance(n, str)
+                     else f"{index_c(i)}, {n}"
                      for i, n in zip(e.indices, e.extents, strict=True))
     read = f"attnlang::table_at(p.{member_name(e.name)}, {axes})"
     return f"({read} != 0)" if e.type is BOOL else read

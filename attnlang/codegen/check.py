@@ -278,10 +278,12 @@ class _Checker:
         if key not in self.let_values:
             self.let_values[key] = None  # an error inside is reported once per stage
             self.let_uses.append((name, use))
+            outer_loops, self.loop_vars = self.loop_vars, []  # a let sees no loop variable
             try:
                 self.let_values[key] = self.expr(self.lets[name].expr, stage)
             finally:
                 self.let_uses.pop()
+                self.loop_vars = outer_loops
         value = self.let_values[key]
         if value is None:
             raise _Poison

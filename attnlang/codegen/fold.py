@@ -88,7 +88,6 @@ _FOLD_CALL = {
 
 
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
-_FLT_MAX = float(np.finfo(np.float32).max)
 RANGE_HINT = {
     INT: "ints are 32-bit: from -2147483648 to 2147483647",
     FLOAT: "floats are 32-bit: finite, of magnitude at most 3.4028235e38",

@@ -23,6 +23,7 @@ import json
 import os
 import re
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -182,6 +183,9 @@ class Toolchain:
 
 
 _TOOLCHAINS: dict[str, Toolchain] = {}
+# compile_variant's kernels compile in threads: one of them finds the toolchain, the others
+# wait for it (and the memo's temp file has one writer per process).
+_TOOLCHAIN_LOCK = threading.Lock()
 
 
 def toolchain() -> Toolchain:
@@ -196,12 +200,11 @@ def toolchain() -> Toolchain:
     """
     probe = _installation_probe()
     memo = cache_dir() / "toolchain" / "memo.json"
-    known = _TOOLCHAINS.get(json.dumps([probe, str(memo)]))
-    if known is not None:
-        return known
-    found = _read_memo(memo, probe) or _find_toolchain(memo, probe)
-    _TOOLCHAINS[json.dumps([probe, str(memo)])] = found
-    return found
+    key = json.dumps([probe, str(memo)])
+    with _TOOLCHAIN_LOCK:
+        if key not in _TOOLCHAINS:
+            _TOOLCHAINS[key] = _read_memo(memo, probe) or _find_toolchain(memo, probe)
+        return _TOOLCHAINS[key]
 
 
 def _read_memo(memo: Path, probe: list) -> Toolchain | None:

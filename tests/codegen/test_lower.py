@@ -113,20 +113,22 @@ def test_params():
     def table(name, ty, *axes):
         return ir.ParamIndex(name, tuple(i for i, _ in axes), tuple(n for _, n in axes), ty)
 
+    # A named extent's index is the kernel's own variable: Known, no bound test.
     assert (scalar(table("slopes", F, (V("head"), "heads")))
-            == "attnlang::table_at(p.u_slopes, ix.head, ix.num_heads)")
+            == "attnlang::table_at(p.u_slopes, attnlang::Known{ix.head}, ix.num_heads)")
     assert (scalar(table("kvw", F, (V("kv_head"), "kv_heads")))
-            == "attnlang::table_at(p.u_kvw, ix.kv_head, ix.num_kv_heads)")
+            == "attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)")
     assert (scalar(table("prefix", N, (V("batch"), "batch")))
-            == "attnlang::table_at(p.u_prefix, ix.batch, 0x7fffffff)")
+            == "attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0)")
     assert (elem(table("w", F, (V("dim"), "dim")))
-            == "attnlang::table_at(p.u_w, dim, attnlang::kHeadDim)")
-    # A computed index on a fixed extent; a bool table reads bytes.
+            == "attnlang::table_at(p.u_w, attnlang::Known{dim}, attnlang::kHeadDim)")
+    # A computed index on a fixed extent is bound-tested; a bool table reads bytes.
     rel = B("-", V("q_pos"), V("kv_pos"))
     assert (scalar(table("bias", F, (V("head"), "heads"), (rel, 32)))
-            == "attnlang::table_at(p.u_bias, ix.head, ix.num_heads, (ix.q_pos - ix.kv_pos), 32)")
+            == "attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, "
+               "(ix.q_pos - ix.kv_pos), 32)")
     assert (scalar(table("g", ir.BOOL, (V("batch"), "batch"), (V("kv_pos"), 64)))
-            == "(attnlang::table_at(p.u_g, ix.batch, 0x7fffffff, ix.kv_pos, 64) != 0)")
+            == "(attnlang::table_at(p.u_g, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0)")
 
 
 def test_param_names_are_prefixed_in_cpp():
@@ -270,7 +272,8 @@ def test_elementwise_vector_stage():
                          value=B("*", V("v", F), w)))
     assert "for (int i = 0; i < VEC; ++i) {" in h.value
     assert "const int dim = dim0 + i;" in h.value
-    assert "x[i] = (x[i] * attnlang::table_at(p.u_w, dim, attnlang::kHeadDim));" in h.value
+    assert ("x[i] = (x[i] * attnlang::table_at(p.u_w, attnlang::Known{dim}, attnlang::kHeadDim));"
+            in h.value)
     assert h.has_value
 
 
@@ -323,7 +326,8 @@ def test_rope_of_a_reduction_and_position_expression():
     assert body.index("red0 =") < body.index("float rope0[VEC];")
     assert "t[i] = (x[i] / sqrtf((red0 + 1e-05f)));" in body
     assert ("attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, "
-            "(ix.q_pos + attnlang::table_at(p.u_offset, ix.batch, 0x7fffffff)), 500.0f);") in body
+            "(ix.q_pos + attnlang::table_at(p.u_offset, attnlang::Known{ix.batch}, 0)), "
+            "500.0f);") in body
     assert "x[i] = (rope0[i] * 2.0f);" in body
 
 

@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -786,7 +795,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) / 1.7320508075688772f);
   }
 }
-#line 790 "kitchen_sink_decode.cu"
+#line 799 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -830,22 +839,22 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
 #line 15 "tests/variants/kitchen_sink.attn"
-    x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, ix.kv_head, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
+    x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 837 "kitchen_sink_decode.cu"
+#line 846 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) / 1.4142135623730951f) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 843 "kitchen_sink_decode.cu"
+#line 852 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 849 "kitchen_sink_decode.cu"
+#line 858 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -865,17 +874,17 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
   for (int i = 0; i < VEC; ++i) {
     const int dim = dim0 + i;  // this element's index in the head vector
 #line 16 "tests/variants/kitchen_sink.attn"
-    x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, ix.head, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
+    x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 872 "kitchen_sink_decode.cu"
+#line 881 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 879 "kitchen_sink_decode.cu"
+#line 888 "kitchen_sink_decode.cu"
 
 }  // namespace variant
 

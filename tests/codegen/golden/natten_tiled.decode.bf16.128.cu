@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -788,7 +797,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 22 "examples/natten_tiled.attn"
   return ((((((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) >= attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57)) && (((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) < (attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57) + 7))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) >= attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) < (attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57) + 7)));
 }
-#line 792 "natten_tiled_decode.cu"
+#line 801 "natten_tiled_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -798,7 +807,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 22 "examples/natten_tiled.attn"
   return tri_and(tri_and(tri_and(tri_ge(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57))), tri_lt(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7)))), tri_ge(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)))), tri_lt(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7))));
 }
-#line 802 "natten_tiled_decode.cu"
+#line 811 "natten_tiled_decode.cu"
 
 }  // namespace variant
 

@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -788,9 +797,9 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/prefix_lm.attn"
-  return ((ix.kv_pos < attnlang::table_at(p.u_prefix, ix.batch, 0x7fffffff)) || (ix.kv_pos <= ix.q_pos));
+  return ((ix.kv_pos < attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0)) || (ix.kv_pos <= ix.q_pos));
 }
-#line 794 "prefix_lm_decode.cu"
+#line 803 "prefix_lm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -798,9 +807,9 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 8 "examples/prefix_lm.attn"
-  return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(attnlang::table_at(p.u_prefix, ix.batch, 0x7fffffff))), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
+  return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0))), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 804 "prefix_lm_decode.cu"
+#line 813 "prefix_lm_decode.cu"
 
 }  // namespace variant
 

@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -797,7 +806,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     for (int i = 0; i < VEC; ++i) {
       const int dim = dim0 + i;  // this element's index in the head vector
 #line 9 "examples/qk_norm.attn"
-      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * attnlang::table_at(p.u_wq, dim, attnlang::kHeadDim));
+      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * attnlang::table_at(p.u_wq, attnlang::Known{dim}, attnlang::kHeadDim));
     }
 #line 9 "examples/qk_norm.attn"
     attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.q_pos, 1000000.0f);
@@ -808,7 +817,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 812 "qk_norm_decode.cu"
+#line 821 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -831,7 +840,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     for (int i = 0; i < VEC; ++i) {
       const int dim = dim0 + i;  // this element's index in the head vector
 #line 10 "examples/qk_norm.attn"
-      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * attnlang::table_at(p.u_wk, dim, attnlang::kHeadDim));
+      t[i] = ((x[i] * rsqrtf((red0 + 1e-06f))) * attnlang::table_at(p.u_wk, attnlang::Known{dim}, attnlang::kHeadDim));
     }
 #line 10 "examples/qk_norm.attn"
     attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, ix.kv_pos, 1000000.0f);
@@ -842,7 +851,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 846 "qk_norm_decode.cu"
+#line 855 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -853,7 +862,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/qk_norm.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 857 "qk_norm_decode.cu"
+#line 866 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -863,7 +872,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/qk_norm.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 867 "qk_norm_decode.cu"
+#line 876 "qk_norm_decode.cu"
 
 }  // namespace variant
 

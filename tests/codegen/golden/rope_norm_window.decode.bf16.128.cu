@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -799,7 +808,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
       t[i] = (x[i] / sqrtf((red0 + 1e-05f)));
     }
 #line 10 "tests/variants/rope_norm_window.attn"
-    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, (ix.q_pos + attnlang::table_at(p.u_offset, ix.batch, 0x7fffffff)), 500.0f);
+    attnlang::rope_rotate_half<VEC, TX>(rope0, t, dim0, (ix.q_pos + attnlang::table_at(p.u_offset, attnlang::Known{ix.batch}, 0)), 500.0f);
   }
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
@@ -807,7 +816,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 811 "rope_norm_window_decode.cu"
+#line 820 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -832,7 +841,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
       t[i] = (x[i] - red0);
     }
 #line 11 "tests/variants/rope_norm_window.attn"
-    attnlang::rope_interleaved<VEC, TX>(rope0, t, dim0, (ix.kv_pos + attnlang::table_at(p.u_offset, ix.batch, 0x7fffffff)), 10000.0f);
+    attnlang::rope_interleaved<VEC, TX>(rope0, t, dim0, (ix.kv_pos + attnlang::table_at(p.u_offset, attnlang::Known{ix.batch}, 0)), 10000.0f);
   }
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
@@ -840,7 +849,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 844 "rope_norm_window_decode.cu"
+#line 853 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -849,13 +858,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 853 "rope_norm_window_decode.cu"
+#line 862 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 859 "rope_norm_window_decode.cu"
+#line 868 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -877,14 +886,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 881 "rope_norm_window_decode.cu"
+#line 890 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 888 "rope_norm_window_decode.cu"
+#line 897 "rope_norm_window_decode.cu"
 
 }  // namespace variant
 

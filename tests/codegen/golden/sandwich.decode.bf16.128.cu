@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -788,13 +797,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 10 "examples/sandwich.attn"
   return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) / 128.0f) * 13.287712379549449f))))); return acc; }())));
 }
-#line 792 "sandwich_decode.cu"
+#line 801 "sandwich_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/sandwich.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 798 "sandwich_decode.cu"
+#line 807 "sandwich_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -804,7 +813,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/sandwich.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 808 "sandwich_decode.cu"
+#line 817 "sandwich_decode.cu"
 
 }  // namespace variant
 

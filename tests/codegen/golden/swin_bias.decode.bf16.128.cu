@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -786,9 +795,9 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 13 "examples/swin_bias.attn"
-  return (s + attnlang::table_at(p.u_bias, ix.head, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
+  return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
 }
-#line 792 "swin_bias_decode.cu"
+#line 801 "swin_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) { return true; }  // identity
 

@@ -144,14 +144,23 @@ __device__ __forceinline__ float cos_reduced(const float x) {
 __device__ __forceinline__ int float_to_int(float x) { return __float2int_rz(x); }
 
 // An element of a row-major table param, given (index, extent) per axis: 0 (false) when any
-// index is outside its extent, so no index reads out of bounds. The first extent only bounds
-// (a `batch` axis passes INT_MAX: its index is always a request of the batch).
+// computed index is outside its extent, so no index reads out of bounds. An axis of a named
+// extent passes its index as `Known`: the kernel built it in range (head < num_heads, ...), so
+// it is not tested again. The first axis's extent only bounds its index.
+struct Known {
+  int index;
+};
 __device__ __forceinline__ bool table_offset(int&) { return true; }
 template <typename... Axes>
 __device__ __forceinline__ bool table_offset(int& flat, int index, int extent, Axes... rest) {
   flat = flat * extent + index;
   const bool inside = static_cast<unsigned>(index) < static_cast<unsigned>(extent);
   return table_offset(flat, rest...) && inside;
+}
+template <typename... Axes>
+__device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, Axes... rest) {
+  flat = flat * extent + axis.index;
+  return table_offset(flat, rest...);
 }
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
@@ -786,25 +795,25 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
 #line 18 "tests/variants/tables.attn"
-    x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, ix.kv_head, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
+    x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 793 "tables_decode.cu"
+#line 802 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 14 "tests/variants/tables.attn"
-  return ((s + attnlang::table_at(p.u_bias, ix.head, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
+  return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 802 "tables_decode.cu"
+#line 811 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
-  return ((((((attnlang::table_at(p.u_keep, ix.batch, 0x7fffffff, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
+  return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 808 "tables_decode.cu"
+#line 817 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -814,7 +823,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(1, tri_lt(IvI::top(), IvI::point(24))), tri_ge(IvI::top(), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 818 "tables_decode.cu"
+#line 827 "tables_decode.cu"
 
 }  // namespace variant
 
