@@ -14,7 +14,14 @@ import click
 from attnlang.errors import AttnError
 
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
-HEAD_DIMS = ("64", "128", "256")
+# "192/128": queries and keys of 192, values of 128 (MLA; config.HEAD_DIM_PAIRS).
+HEAD_DIMS = ("64", "128", "256", "192/128")
+
+
+def _head_dims(text: str) -> tuple[int, int]:
+    """"128" -> (128, 128); "192/128" -> (192, 128)."""
+    qk, _, vo = text.partition("/")
+    return int(qk), int(vo or qk)
 
 
 def _load(path: str):
@@ -82,13 +89,15 @@ def show(file, kind, dtype, head_dim, arch):
             arch = resolve_arch(arch)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--arch") from None
-    click.echo(generate_source(v, kind, DTYPES[dtype], int(head_dim), arch))
+    qk, vo = _head_dims(head_dim)
+    click.echo(generate_source(v, kind, DTYPES[dtype], qk, arch, vo))
 
 
 @main.command()
 @click.argument("file", type=click.Path(dir_okay=False))
 @click.option("--head-dim", "head_dims", type=click.Choice(HEAD_DIMS), multiple=True,
-              help="Head dimension(s) [default: 128].")
+              help="Head dimension(s) [default: 128]; 192/128: queries and keys of 192, "
+                   "values of 128 (MLA).")
 @click.option("--dtype", "dtypes", type=click.Choice(sorted(DTYPES)), multiple=True,
               help="Input dtype(s) [default: bf16].")
 @click.option("--arch", default=None,
@@ -103,20 +112,22 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
     from attnlang.runtime.module import compile_variant
 
     v = _load(file)
-    combos = [(DTYPES[d], int(h)) for d in (dtypes or ("bf16",)) for h in (head_dims or ("128",))]
+    combos = [(DTYPES[d], h) for d in (dtypes or ("bf16",)) for h in (head_dims or ("128",))]
     combos = list(dict.fromkeys(combos))
     rows = []
-    for dtype, head_dim in combos:
+    for dtype, dims in combos:
+        head_dim, head_dim_vo = _head_dims(dims)
         try:
-            km = compile_variant(v, head_dim=head_dim, dtype=dtype, arch=arch)
+            km = compile_variant(v, head_dim=head_dim, dtype=dtype, arch=arch,
+                                 head_dim_vo=head_dim_vo)
         except (CompileError, ValueError, RuntimeError) as e:
             click.echo(f"attnlang: error: {e}", err=True)
             sys.exit(1)
         for kind, cubin in km.cubins.items():
             # ptxas reports static shared memory only; the kernels size theirs at launch.
-            dynamic = launch_config(kind, head_dim, 1, dtype, cubin.arch).smem_bytes
+            dynamic = launch_config(kind, head_dim, 1, dtype, cubin.arch, head_dim_vo).smem_bytes
             for fn in cubin.functions:
-                rows.append((kind, dtype, str(head_dim), cubin.arch, str(fn.registers),
+                rows.append((kind, dtype, dims, cubin.arch, str(fn.registers),
                              f"{(fn.shared_bytes + dynamic) // 1024} KiB",
                              f"{fn.spill_stores}/{fn.spill_loads}",
                              # a cache hit compiled nothing now: no time to show
@@ -126,7 +137,7 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
         if out_dir is not None:
             target = Path(out_dir)
             if len(combos) > 1:
-                target = target / f"{dtype}-d{head_dim}"
+                target = target / f"{dtype}-d{dims.replace('/', '-')}"
             km.save(target)
             click.echo(f"wrote {target}/ (load it with attnlang.load_compiled)")
     header = ("kernel", "dtype", "head_dim", "arch", "regs", "smem", "spill st/ld", "compile",

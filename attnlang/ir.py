@@ -26,7 +26,7 @@ __all__ = [
     "Unary", "Binary", "Call", "Reduce", "Rope", "LoopVar", "Loop", "ParamSpec", "Variant",
     "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX",
     "SCALAR_FUNCS", "REDUCTIONS", "LOOP_REDUCTIONS", "MAX_LOOP_COUNT", "MAX_TENSOR_ELEMENTS",
-    "walk", "varies_with_dim",
+    "walk", "varies_with_dim", "extent_sizes",
 ]
 
 
@@ -350,3 +350,37 @@ def varies_with_dim(e: Expr) -> bool:
     if isinstance(e, Call):
         return any(varies_with_dim(a) for a in e.args)
     return False
+
+
+# Vector stages by the head dim of their vector: queries and keys, values and outputs.
+_QK_STAGES, _VO_STAGES = ("query", "key"), ("value", "output")
+
+
+def extent_sizes(v: Variant, num_heads: int, num_kv_heads: int, batch: int, head_dim: int,
+                 head_dim_vo: int | None = None) -> dict[str, dict[str, int]]:
+    """The size of every named extent of each tensor param of v, by param name.
+
+    A `dim` axis is as long as the vector of the stages that read it: head_dim in query and
+    key, head_dim_vo (None: head_dim) in value and output. A table read in stages of both
+    kinds needs the two to agree: ValueError otherwise, naming the param.
+    """
+    vo = head_dim if head_dim_vo is None else head_dim_vo
+    common = {"heads": num_heads, "kv_heads": num_kv_heads, "batch": batch}
+    readers: dict[str, set[str]] = {}
+    for stage in VECTOR_STAGES:
+        e = v.stage(stage)
+        for node in walk(e) if e is not None else ():
+            if isinstance(node, ParamIndex):
+                readers.setdefault(node.name, set()).add(stage)
+    sizes = {}
+    for p in v.params:
+        stages = readers.get(p.name, set())
+        dim = vo if stages and stages <= set(_VO_STAGES) else head_dim
+        both = stages & set(_QK_STAGES) and stages & set(_VO_STAGES)
+        if "dim" in p.extents and head_dim != vo and both:
+            raise ValueError(
+                f"param {p.name!r} ({p.declared}) is read in the {', '.join(sorted(stages))} "
+                f"stages, whose vectors are {head_dim} (query, key) and {vo} (value, output) "
+                f"long: its dim axis cannot be both; declare one table per head dim")
+        sizes[p.name] = {**common, "dim": dim}
+    return sizes

@@ -59,10 +59,11 @@ def decode_source(data: bytes, filename: str) -> str:
 
 
 def generate_source(variant: ir.Variant, kind: str, dtype: str, head_dim: int,
-                    arch: str | None = None) -> str:
+                    arch: str | None = None, head_dim_vo: int | None = None) -> str:
     """lower + render: the full CUDA source of one kernel kind for this variant (arch: the
-    compile target, which picks the prefill path; see `attnlang.codegen.render.render`)."""
+    compile target, which picks the prefill path; head_dim_vo: the values' head dim, None for
+    head_dim; see `attnlang.codegen.render.render`)."""
     from attnlang.codegen.lower import lower
     from attnlang.codegen.render import render
 
-    return render(lower(variant), kind, dtype, head_dim, arch)
+    return render(lower(variant), kind, dtype, head_dim, arch, head_dim_vo)

@@ -94,8 +94,9 @@ def _describe(p: ir.ParamSpec) -> str:
     return f"param {p.name}: {p.declared}"
 
 
-def _check_params(v: ir.Variant, params, extents: dict[str, int]) -> dict[str, np.ndarray]:
-    """Validated params: every declared name, scalars 0-d, tensors of their exact extent.
+def _check_params(v: ir.Variant, params, sizes: dict[str, dict[str, int]]) -> dict[str, np.ndarray]:
+    """Validated params: every declared name, scalars 0-d, tensors of their exact extent
+    (sizes: each param's named extents, `ir.extent_sizes`).
 
     Values stay int64 / float64 here; each scope casts them to its precision on read.
     """
@@ -133,6 +134,7 @@ def _check_params(v: ir.Variant, params, extents: dict[str, int]) -> dict[str, n
                 f"got dtype {arr.dtype}"
             )
         if p.is_tensor:
+            extents = sizes[p.name]
             shape = p.shape(extents)
             if arr.shape != shape:
                 named = ", ".join(f"{e} = {extents[e]}" for e in p.extents if isinstance(e, str))
@@ -176,14 +178,17 @@ def attention(
 ) -> tuple[np.ndarray, np.ndarray | None]:
     """Attention of variant `v` over a ragged batch, exactly as LANGUAGE.md section 6.
 
-    Shapes (Hq query heads, Hkv key/value heads, Hq % Hkv == 0, D head dim):
+    Shapes (Hq query heads, Hkv key/value heads, Hq % Hkv == 0, D head dim, Dv the values'
+    head dim, D unless they differ as in MLA):
       q          [total_q, Hq, D]   request b owns rows qo_indptr[b]:qo_indptr[b+1]
-      k, vv      [total_kv, Hkv, D] request b owns rows kv_indptr[b]:kv_indptr[b+1]
+      k, vv      [total_kv, Hkv, D], [total_kv, Hkv, Dv]: request b owns rows
+                 kv_indptr[b]:kv_indptr[b+1]
       qo_indptr, kv_indptr  [batch + 1] ints; None means one request holding every row
       params     {name: value}: scalars as numbers, tensor params as 1-D arrays of their
-                 declared extent (heads = Hq, kv_heads = Hkv, batch, dim = D)
+                 declared extent (heads = Hq, kv_heads = Hkv, batch, dim = D, or Dv
+                 for a table read in the value and output stages)
       sm_scale   float, default 1 / sqrt(D)
-    Returns (o, lse): o [total_q, Hq, D]; lse [total_q, Hq] natural-log sum of exp of the
+    Returns (o, lse): o [total_q, Hq, Dv]; lse [total_q, Hq] natural-log sum of exp of the
     unmasked logits (-inf on a fully masked row, whose o is 0), or None with softmax off.
     Both in float64, or float32 with precision="float32" (every op in float32, as kernels).
 
@@ -215,8 +220,10 @@ def attention(
     total_kv, hkv, _ = k.shape
     if k.shape[2] != d:
         raise ValueError(f"k: head dim {k.shape[2]} differs from q's {d}")
-    if vv.shape != k.shape:
-        raise ValueError(f"vv: shape {vv.shape} differs from k's {k.shape}")
+    if vv.shape[:2] != k.shape[:2]:
+        raise ValueError(f"vv: shape {vv.shape} differs from k's {k.shape} in tokens or heads")
+    if vv.shape[2] == 0:
+        raise ValueError(f"vv: needs head dim >= 1, got shape {vv.shape}")
     if d == 0 or hkv == 0:
         raise ValueError(f"k: needs at least one head and head dim >= 1, got shape {k.shape}")
     if hq % hkv != 0:
@@ -227,10 +234,10 @@ def attention(
         raise ValueError(f"q: rope needs an even head dim, got {d}")
     qo_indptr, kv_indptr = _request_indptrs(qo_indptr, kv_indptr, total_q, total_kv)
     batch = len(qo_indptr) - 1
-    p = _check_params(v, params, {"heads": hq, "kv_heads": hkv, "batch": batch, "dim": d})
+    p = _check_params(v, params, ir.extent_sizes(v, hq, hkv, batch, d, vv.shape[2]))
     scale = 1.0 / math.sqrt(d) if sm_scale is None else _scalar(sm_scale, "sm_scale")
 
-    o = np.zeros((total_q, hq, d), fdtype)
+    o = np.zeros((total_q, hq, vv.shape[2]), fdtype)
     lse = np.full((total_q, hq), -np.inf, fdtype) if v.softmax else None
     with np.errstate(all="ignore"):
         for b in range(batch):
@@ -267,10 +274,11 @@ def _request_indptrs(qo_indptr, kv_indptr, total_q: int, total_kv: int):
 
 
 def _request(v: ir.Variant, b: int, q, k, vv, params, sm_scale: float, fdtype):
-    """One request: q [qo_len, Hq, D], k/vv [kv_len, Hkv, D] -> o [qo_len, Hq, D],
-    lse [qo_len, Hq] (None with softmax off)."""
+    """One request: q [qo_len, Hq, D], k [kv_len, Hkv, D], vv [kv_len, Hkv, Dv] ->
+    o [qo_len, Hq, Dv], lse [qo_len, Hq] (None with softmax off)."""
     qo_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
+    dv = vv.shape[2]
     group = hq // hkv
     common = {
         "batch": np.int64(b), "qo_len": np.int64(qo_len), "kv_len": np.int64(kv_len),
@@ -282,15 +290,15 @@ def _request(v: ir.Variant, b: int, q, k, vv, params, sm_scale: float, fdtype):
     heads = np.arange(hq, dtype=np.int64)
     kv_heads = np.arange(hkv, dtype=np.int64)
     dim = np.arange(d, dtype=np.int64).reshape(1, 1, d)
+    dim_vo = np.arange(dv, dtype=np.int64).reshape(1, 1, dv)
 
     def scope(stage: str, shape: tuple[int, ...], **names) -> Scope:
         return Scope(stage, shape, {**common, **names}, params, fdtype)
 
     # Key and value stages on [kv_len, Hkv, D] grids, once per request.
-    row_kv = dict(kv_head=kv_heads.reshape(1, hkv, 1), kv_pos=kv_pos.reshape(kv_len, 1, 1),
-                  dim=dim)
-    kp = stage_value(v, "key", scope("key", k.shape, k=k, **row_kv), k)
-    vp = stage_value(v, "value", scope("value", vv.shape, v=vv, **row_kv), vv)
+    row_kv = dict(kv_head=kv_heads.reshape(1, hkv, 1), kv_pos=kv_pos.reshape(kv_len, 1, 1))
+    kp = stage_value(v, "key", scope("key", k.shape, k=k, dim=dim, **row_kv), k)
+    vp = stage_value(v, "value", scope("value", vv.shape, v=vv, dim=dim_vo, **row_kv), vv)
     k_by_head = kp.transpose(1, 2, 0)  # [Hkv, D, kv_len]
     v_by_head = vp.transpose(1, 0, 2)  # [Hkv, kv_len, D]
 
@@ -299,8 +307,9 @@ def _request(v: ir.Variant, b: int, q, k, vv, params, sm_scale: float, fdtype):
         n = i1 - i0
         pos = q_pos[i0:i1]
         row_q = dict(head=heads.reshape(1, hq, 1), kv_head=(heads // group).reshape(1, hq, 1),
-                     q_pos=pos.reshape(n, 1, 1), dim=dim)
-        qp = stage_value(v, "query", scope("query", (n, hq, d), q=q[i0:i1], **row_q), q[i0:i1])
+                     q_pos=pos.reshape(n, 1, 1))
+        qp = stage_value(v, "query", scope("query", (n, hq, d), q=q[i0:i1], dim=dim, **row_q),
+                         q[i0:i1])
 
         # s[h, i, j] = sm_scale * dot(q'[i, h], k'[j, h // group]), one matmul per kv head:
         # query head h = kv_head * group + g.
@@ -315,8 +324,8 @@ def _request(v: ir.Variant, b: int, q, k, vv, params, sm_scale: float, fdtype):
         s = stage_value(v, "logits", scope("logits", grid, logits=s, **pair), s)
         keep = stage_value(v, "mask", scope("mask", grid, **pair), np.ones(grid, bool))
 
-        def weighted_sum(w: np.ndarray) -> np.ndarray:  # [Hq, n, kv] x v' -> [Hq, n, D]
-            return (w.reshape(hkv, group * n, kv_len) @ v_by_head).reshape(hq, n, d)
+        def weighted_sum(w: np.ndarray) -> np.ndarray:  # [Hq, n, kv] x v' -> [Hq, n, Dv]
+            return (w.reshape(hkv, group * n, kv_len) @ v_by_head).reshape(hq, n, dv)
 
         if v.softmax:
             s = np.where(keep, s, -np.inf)
@@ -332,15 +341,15 @@ def _request(v: ir.Variant, b: int, q, k, vv, params, sm_scale: float, fdtype):
             o = weighted_sum(np.where(keep, s, 0).astype(fdtype))
             lse = None
 
-        o = o.transpose(1, 0, 2)  # [rows, Hq, D]
-        out = stage_value(v, "output", scope("output", o.shape, o=o, **row_q), o)
+        o = o.transpose(1, 0, 2)  # [rows, Hq, Dv]
+        out = stage_value(v, "output", scope("output", o.shape, o=o, dim=dim_vo, **row_q), o)
         return out, lse
 
     # Bound the [Hq, rows, kv_len] temporaries (a 32k-token prefill over 32 heads is 275 GB).
     step = max(1, _GRID_ELEMENTS // max(1, hq * kv_len))
     chunks = [rows(i0, min(i0 + step, qo_len)) for i0 in range(0, qo_len, step)]
     if not chunks:
-        return np.zeros((0, hq, d), fdtype), (np.zeros((0, hq), fdtype) if v.softmax else None)
+        return np.zeros((0, hq, dv), fdtype), (np.zeros((0, hq), fdtype) if v.softmax else None)
     out = np.concatenate([c[0] for c in chunks])
     lse = np.concatenate([c[1] for c in chunks]) if v.softmax else None
     return out, lse
@@ -364,13 +373,13 @@ def attention_paged(
 
     Shapes (P pages of page_size tokens):
       q                 [total_q, Hq, D], ragged by qo_indptr [batch + 1] (None: one request)
-      k_cache, v_cache  [P, page_size, Hkv, D]
+      k_cache, v_cache  [P, page_size, Hkv, D], [P, page_size, Hkv, Dv]
       kv_indptr         [batch + 1]: request b owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]],
                         in logical order (kv_pos runs through them in list order)
       kv_indices        [kv_indptr[-1]] page numbers in [0, P)
       kv_last_page_len  [batch]: valid tokens of b's last page, in [1, page_size]
                         (ignored, but must lie in [0, page_size], for a request with no pages)
-    Returns (o [total_q, Hq, D], lse [total_q, Hq] or None), as `attention`.
+    Returns (o [total_q, Hq, Dv], lse [total_q, Hq] or None), as `attention`.
 
     Example::
 
@@ -391,9 +400,11 @@ def attention_paged(
     fdtype = PRECISIONS[precision]
     k_cache = _real_array(k_cache, "k_cache", 4, fdtype)
     v_cache = _real_array(v_cache, "v_cache", 4, fdtype)
-    if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache: shape {v_cache.shape} differs from k_cache's {k_cache.shape}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(f"v_cache: shape {v_cache.shape} differs from k_cache's "
+                         f"{k_cache.shape} in pages, page size or heads")
     num_pages, page_size, hkv, d = k_cache.shape
+    dv = v_cache.shape[3]
     if page_size == 0:
         raise ValueError(f"k_cache: page size must be >= 1, got shape {k_cache.shape}")
     kv_indices = _int_array(kv_indices, "kv_indices")
@@ -429,12 +440,11 @@ def attention_paged(
     ]
     values = [
         v_cache[kv_indices[page_indptr[b]:page_indptr[b + 1]]]
-        .reshape(-1, hkv, d)[: kv_lens[b]]
+        .reshape(-1, hkv, dv)[: kv_lens[b]]
         for b in range(batch)
     ]
-    empty = np.zeros((0, hkv, d), fdtype)
-    k = np.concatenate(tokens) if tokens else empty
-    vv = np.concatenate(values) if values else empty
+    k = np.concatenate(tokens) if tokens else np.zeros((0, hkv, d), fdtype)
+    vv = np.concatenate(values) if values else np.zeros((0, hkv, dv), fdtype)
     token_indptr = np.concatenate([[0], np.cumsum(kv_lens)]).astype(np.int64)
     return attention(v, q, k, vv, qo_indptr, token_indptr, params, sm_scale,
                      precision=precision)

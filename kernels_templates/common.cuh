@@ -201,8 +201,10 @@ template <int VEC, int TX>
 __device__ __forceinline__ float group_sum(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, SumOp{}); }
 template <int VEC, int TX>
 __device__ __forceinline__ float group_mean(const float (&t)[VEC]) {
-  // VEC * TX = head_dim, a power of two: the reciprocal is exact.
-  return group_reduce<VEC, TX>(t, SumOp{}) * (1.0f / float(VEC * TX));
+  // A power-of-two length has an exact reciprocal; others (192) take a true division.
+  constexpr int kLen = VEC * TX;
+  const float sum = group_reduce<VEC, TX>(t, SumOp{});
+  return (kLen & (kLen - 1)) == 0 ? sum * (1.0f / float(kLen)) : sum / float(kLen);
 }
 template <int VEC, int TX>
 __device__ __forceinline__ float group_max(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, MaxOp{}); }
@@ -416,6 +418,39 @@ __device__ __forceinline__ void load8f(const float* ptr, float (&x)[8]) {
 __device__ __forceinline__ void store8f(float* ptr, const float (&x)[8]) {
   reinterpret_cast<float4*>(ptr)[0] = make_float4(x[0], x[1], x[2], x[3]);
   reinterpret_cast<float4*>(ptr)[1] = make_float4(x[4], x[5], x[6], x[7]);
+}
+
+// A lane's row elements in whole 16-byte chunks (N = 8 n): chunk c of x is x[8 c .. 8 c + 7],
+// and the contiguous forms below move N elements at a 16-byte aligned address.
+template <int N>
+__device__ __forceinline__ float (&chunk8(float (&x)[N], const int c))[8] {
+  static_assert(N % 8 == 0, "whole 16-byte chunks");
+  return *reinterpret_cast<float(*)[8]>(x + 8 * c);
+}
+template <int N>
+__device__ __forceinline__ const float (&chunk8(const float (&x)[N], const int c))[8] {
+  static_assert(N % 8 == 0, "whole 16-byte chunks");
+  return *reinterpret_cast<const float(*)[8]>(x + 8 * c);
+}
+template <typename T, int N>
+__device__ __forceinline__ void load_n(const T* ptr, float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) load8<T>(ptr + 8 * c, chunk8(x, c));
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_n(T* ptr, const float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) store8<T>(ptr + 8 * c, chunk8(x, c));
+}
+template <int N>
+__device__ __forceinline__ void load_nf(const float* ptr, float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) load8f(ptr + 8 * c, chunk8(x, c));
+}
+template <int N>
+__device__ __forceinline__ void store_nf(float* ptr, const float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) store8f(ptr + 8 * c, chunk8(x, c));
 }
 
 // ---------------------------------------------------------------------------- cp.async

@@ -1,4 +1,4 @@
-"""The ported examples (T5, Swin, Longformer, Flamingo, tiled NATTEN, GELU attention) against
+"""The ported examples (T5, Swin, Longformer, Flamingo, tiled NATTEN, GELU attention, MLA) against
 independent float64 formulas, written the way their papers' code computes them: loops and
 index arithmetic in Python, not attnlang's semantics. The reference must agree to 1e-12."""
 
@@ -166,3 +166,28 @@ def test_gelu_attention():
         return 0.5 * s * (1 + math.erf(s / math.sqrt(2))) / (q_pos + 1), j <= q_pos
 
     _check("gelu_attention", rng, qo, kv, {}, score, softmax=False)
+
+
+def test_mla_value_head_dim():
+    """Queries and keys of 192, values of 128: the reference's output is 128 wide and equals
+    causal softmax attention written out by hand (DeepSeek's scale, one request per loop)."""
+    rng = np.random.default_rng(7)
+    qo, kv, hq, hkv = (3, 1), (9, 6), 4, 2
+    q = rng.standard_normal((sum(qo), hq, 192))
+    k = rng.standard_normal((sum(kv), hkv, 192))
+    v = rng.standard_normal((sum(kv), hkv, 128))
+    scale = 1.0 / math.sqrt(192) * 1.3**2
+    got, lse = al.reference.attention(al.load(ROOT / "examples" / "mla.attn"), q, k, v,
+                                      np.cumsum([0, *qo]), np.cumsum([0, *kv]), None, scale)
+    assert got.shape == (sum(qo), hq, 128) and lse.shape == (sum(qo), hq)
+    want = np.zeros_like(got)
+    for b in range(len(qo)):
+        q0, k0 = sum(qo[:b]), sum(kv[:b])
+        for h in range(hq):
+            g = h // (hq // hkv)
+            for i in range(qo[b]):
+                visible = kv[b] - qo[b] + i + 1  # causal: keys 0 .. q_pos
+                s = [scale * float(q[q0 + i, h] @ k[k0 + j, g]) for j in range(visible)]
+                e = np.exp(np.array(s) - max(s))
+                want[q0 + i, h] = (e / e.sum()) @ v[k0:k0 + visible, g]
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)

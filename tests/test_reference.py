@@ -179,6 +179,7 @@ def _tables_mask(qp, qr, kp, b, P):
 
 PAPERS: dict[str, Paper] = {
     "causal": Paper(mask=lambda qp, kp, b, P: causal(qp, kp)),
+    "mla": Paper(mask=lambda qp, kp, b, P: causal(qp, kp)),  # at its own head dims: test_ports
     "full": Paper(),
     "sliding_window": Paper(mask=lambda qp, kp, b, P: causal(qp, kp) & (qp - kp < 4096)),
     "softcap": Paper(

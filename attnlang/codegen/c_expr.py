@@ -118,7 +118,7 @@ VARS = {
 # The run-time size of each named extent. A `batch` axis is always the first, whose extent
 # enters no stride (and its index, a request of the batch, is not tested): any value will do.
 _EXTENT_C = {"heads": "ix.num_heads", "kv_heads": "ix.num_kv_heads", "batch": "0",
-             "dim": "attnlang::kHeadDim"}
+             "dim": "(VEC * TX)"}  # the length of the stage's vector (q/k or v/o)
 # A literal divisor other than 0 needs no zero test: C's own / and % then.
 _LITERAL_DIVISION = {("/", INT): "({a} / {b})", ("%", INT): "({a} % {b})"}
 

@@ -34,16 +34,23 @@ The arch therefore enters `template_shape` and `launch_config`; None means the m
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 
-__all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "TemplateShape", "LaunchConfig", "template_shape",
-           "launch_config", "dtype_ctype", "uses_wgmma", "STATIC_SMEM_LIMIT"]
+__all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "HEAD_DIM_PAIRS", "TemplateShape", "LaunchConfig",
+           "template_shape", "launch_config", "dtype_ctype", "uses_wgmma", "check_head_dims",
+           "STATIC_SMEM_LIMIT"]
 
 KINDS = ("decode", "prefill", "merge")
 # dtype name -> (C type, bytes)
 DTYPES = {"float16": ("half", 2), "bfloat16": ("__nv_bfloat16", 2)}
 HEAD_DIMS = (64, 128, 256)
+# (query/key head dim, value/output head dim) pairs: every HEAD_DIMS value with itself, and
+# MLA's shape without weight absorption (DeepSeek-V2/V3 prefill: 128 + 64 rope dims of q and
+# k, 128 of v). A row of one vector stage is TX lanes of VEC elements for both vectors, TX =
+# gcd / 8, so the q/k lanes and the v/o lanes line up.
+HEAD_DIM_PAIRS = tuple((d, d) for d in HEAD_DIMS) + ((192, 128),)
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
 STATIC_SMEM_LIMIT = 48 * 1024
 
@@ -69,6 +76,7 @@ _PREFILL_SHAPE = {
     64: (64, 3, 4, 2, 2),
     128: (64, 2, 4, 2, 2),
     256: (32, 2, 8, 1, 1),
+    192: (32, 3, 4, 2, 2),  # with head_dim_vo 128: 108 KB, two CTAs per SM
 }
 # The wgmma path, same fields: 8 warps = two warpgroups of 64 rows, each issuing
 # m64n{kv_tile}k16 for S and m64n{head_dim}k16 for O; one CTA per SM. The V of a tile stays
@@ -89,14 +97,16 @@ class TemplateShape:
     """Compile-time constants of one kernel template instance (spliced as literals).
 
     Example: decode, head_dim 128, bf16 -> vec=8, tx=16, kv_tile=32, stages=3, chunk=4,
-    max_threads=256, min_blocks=2.
+    max_threads=256, min_blocks=2. head_dim (192, 128) -> vec=24, vec_vo=16, tx=8.
     """
 
     kind: str
     dtype: str
     ctype: str  # C element type: half | __nv_bfloat16
-    head_dim: int
-    vec: int  # elements per lane
+    head_dim: int  # of queries and keys
+    head_dim_vo: int  # of values and outputs
+    vec: int  # elements per lane of a query or key row (multiples of 8: 16-byte chunks)
+    vec_vo: int  # elements per lane of a value or output row
     tx: int  # lanes per row
     kv_tile: int  # keys per pipeline stage (decode), 0 for merge
     stages: int  # pipeline depth (decode), 0 for merge
@@ -141,14 +151,29 @@ def _is_int(x: object) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
-def _check(kind: str, head_dim: int, dtype: str) -> None:
+def check_head_dims(head_dim: object, head_dim_vo: object = None) -> tuple[int, int]:
+    """(head_dim, head_dim_vo) as ints if the kernels support the pair (HEAD_DIM_PAIRS;
+    head_dim_vo None means head_dim), else ValueError naming what is supported.
+
+    >>> check_head_dims(128)
+    (128, 128)
+    >>> check_head_dims(192, 128)
+    (192, 128)
+    """
+    vo = head_dim if head_dim_vo is None else head_dim_vo
+    if not (_is_int(head_dim) and _is_int(vo) and (int(head_dim), int(vo)) in HEAD_DIM_PAIRS):
+        pairs = ", ".join(f"{q}/{v}" for q, v in HEAD_DIM_PAIRS if q != v)
+        raise ValueError(f"unsupported head_dim {head_dim!r} with head_dim_vo {vo!r}: expected "
+                         f"one of {', '.join(map(str, HEAD_DIMS))} for both, or {pairs} "
+                         f"(query-key / value-output)")
+    return int(head_dim), int(vo)
+
+
+def _check(kind: str, dtype: str) -> None:
     if kind not in KINDS:
         raise ValueError(f"unknown kernel kind {kind!r}: expected one of {', '.join(KINDS)}")
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-    if not _is_int(head_dim) or head_dim not in HEAD_DIMS:
-        raise ValueError(f"unsupported head_dim {head_dim!r}: expected one of "
-                         f"{', '.join(map(str, HEAD_DIMS))}")
 
 
 def dtype_ctype(dtype: str) -> str:
@@ -158,45 +183,61 @@ def dtype_ctype(dtype: str) -> str:
     return DTYPES[dtype][0]
 
 
-def uses_wgmma(kind: str, head_dim: int, arch: str | None) -> bool:
+def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | None = None) -> bool:
     """True when `kind` at head_dim compiled for `arch` takes the wgmma path (prefill on
-    sm_90a at head_dim 64 or 128). ``uses_wgmma("prefill", 128, "sm_90a")`` -> True."""
-    return kind == "prefill" and arch in _WGMMA_ARCHS and head_dim in _PREFILL_WGMMA_SHAPE
+    sm_90a at head_dim 64 or 128, the same for values). ``uses_wgmma("prefill", 128,
+    "sm_90a")`` -> True."""
+    vo = head_dim if head_dim_vo is None else head_dim_vo
+    return (kind == "prefill" and arch in _WGMMA_ARCHS and vo == head_dim
+            and head_dim in _PREFILL_WGMMA_SHAPE)
 
 
-def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None) -> TemplateShape:
-    """The compile-time constants of `kind` for (head_dim, dtype) on `arch` (None: the
-    mma.sync path every sm_80+ target runs). Raises ValueError."""
-    _check(kind, head_dim, dtype)
-    head_dim = int(head_dim)
+def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None,
+                   head_dim_vo: int | None = None) -> TemplateShape:
+    """The compile-time constants of `kind` for (head_dim, head_dim_vo, dtype) on `arch`
+    (None: the mma.sync path every sm_80+ target runs; head_dim_vo None: head_dim). Raises
+    ValueError."""
+    _check(kind, dtype)
+    head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
     ctype, size = DTYPES[dtype]
-    vec = _VEC_BYTES // size
-    tx = head_dim // vec
-    if kind == "merge":
-        return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, 0, 0, 0, _MERGE_THREADS, 1)
+    chunk_elems = _VEC_BYTES // size
+    if kind == "merge":  # rows of values only
+        tx = head_dim_vo // chunk_elems
+        return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, chunk_elems, chunk_elems,
+                             tx, 0, 0, 0, _MERGE_THREADS, 1)
+    # Both vectors over the same TX lanes, whole 16-byte chunks per lane.
+    tx = math.gcd(head_dim, head_dim_vo) // chunk_elems
+    vec, vec_vo = head_dim // tx, head_dim_vo // tx
     if kind == "prefill":
-        wgmma = uses_wgmma(kind, head_dim, arch)
+        wgmma = uses_wgmma(kind, head_dim, arch, head_dim_vo)
         table = _PREFILL_WGMMA_SHAPE if wgmma else _PREFILL_SHAPE
         kv_tile, stages, warps, row_blocks, min_blocks = table[head_dim]
         # mma.sync: S of 32 keys for 32 rows beside O is what the registers hold, a tile is
         # consumed in steps; wgmma: a warp's 16 rows hold S of the whole tile.
         sub_keys = kv_tile if wgmma else min(kv_tile, 32)
-        return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, kv_tile, stages, 0,
-                             32 * warps, min_blocks, row_blocks, wgmma, sub_keys)
-    kv_tile = _TILE_BYTES // (2 * head_dim * size)
+        return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx, kv_tile,
+                             stages, 0, 32 * warps, min_blocks, row_blocks, wgmma, sub_keys)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
-    assert kv_tile >= _MAX_THREADS // tx and kv_tile // _CHUNK >= _MIN_THREADS // tx
-    return TemplateShape(kind, dtype, ctype, head_dim, vec, tx, kv_tile, _STAGES, _CHUNK,
-                         _MAX_THREADS, _MIN_BLOCKS)
+    kv_tile = max(_prev_pow2(_TILE_BYTES // ((head_dim + head_dim_vo) * size)),
+                  _MAX_THREADS // tx, _CHUNK * _MIN_THREADS // tx)
+    # Two head dims (MLA): 8 lanes per row hold 24 + 16 elements, and the 64-key stages
+    # (120 KB) allow one CTA per SM anyway, so the registers are not capped at 128.
+    min_blocks = _MIN_BLOCKS if head_dim == head_dim_vo else 1
+    return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx, kv_tile,
+                         _STAGES, _CHUNK, _MAX_THREADS, min_blocks)
 
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def launch_config(kind: str, head_dim: int, group_size: int,
-                  dtype: str = "bfloat16", arch: str | None = None) -> LaunchConfig:
+def _prev_pow2(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
+
+
+def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloat16",
+                  arch: str | None = None, head_dim_vo: int | None = None) -> LaunchConfig:
     """Block, rows per work item, dynamic shared memory and KV tile of a launch.
 
     group_size: query heads per KV head. The decode kernel fuses a work item's rows over the
@@ -210,28 +251,29 @@ def launch_config(kind: str, head_dim: int, group_size: int,
     >>> launch_config("prefill", 128, 4)
     LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=98304, kv_tile=64)
     >>> launch_config("prefill", 128, 4, arch="sm_90a")
-    LaunchConfig(block=(256, 1, 1), rows_per_tile=128, smem_bytes=163840, kv_tile=64)
+    LaunchConfig(block=(256, 1, 1), rows_per_tile=128, smem_bytes=229376, kv_tile=128)
+    >>> launch_config("decode", 192, 1, head_dim_vo=128)
+    LaunchConfig(block=(8, 1, 16), rows_per_tile=1, smem_bytes=122880, kv_tile=64)
 
     The prefill kernel's rows do not depend on group_size: its R fused rows cover R / group
     queries of every head of the group. arch: the target the kernel was compiled for (it
-    picks the prefill path, see `template_shape`).
+    picks the prefill path, see `template_shape`). head_dim_vo: the value / output head dim
+    (None: head_dim).
     """
-    shape = template_shape(kind, head_dim, dtype, arch)
+    shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo)
     if not _is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
-    group_size, head_dim = int(group_size), int(head_dim)
+    group_size, head_dim, head_dim_vo = int(group_size), shape.head_dim, shape.head_dim_vo
+    size = DTYPES[dtype][1]
     if kind == "merge":
         rows = shape.max_threads // shape.tx
         return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
+    stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     if kind == "prefill":
-        size = DTYPES[dtype][1]
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
-        stages = 2 * shape.stages * shape.kv_tile * head_dim * size  # K and V stages
         return LaunchConfig((shape.max_threads, 1, 1), rows, stages + rows * head_dim * size,
                             shape.kv_tile)
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)
     tz = max(1, _MIN_THREADS // (shape.tx * rows))
-    size = DTYPES[dtype][1]
-    pipeline = 2 * shape.stages * shape.kv_tile * head_dim * size  # K and V stages
-    merge = rows * tz * (head_dim + 2) * 4  # TZ partial states (o, m, d), aliases the pipeline
-    return LaunchConfig((shape.tx, rows, tz), rows, max(pipeline, merge), shape.kv_tile)
+    merge = rows * tz * (head_dim_vo + 2) * 4  # TZ partial states (o, m, d), aliases the pipeline
+    return LaunchConfig((shape.tx, rows, tz), rows, max(stages, merge), shape.kv_tile)

@@ -126,7 +126,7 @@ def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bo
 
 def _wgmma_source(shape: config.TemplateShape) -> str:
     """The wgmma helpers (wgmma.cuh) and this instance's two wrappers: wgmma_qk (S = Q K^T,
-    N = sub_keys keys) and wgmma_pv (O += P V, N = head_dim). Spliced into every prefill
+    N = sub_keys keys) and wgmma_pv (O += P V, N = head_dim_vo). Spliced into every prefill
     source; only the wgmma path calls them, so other targets never emit them."""
     ptx = _PTX_TYPE[shape.dtype]
     return "\n".join((
@@ -135,28 +135,30 @@ def _wgmma_source(shape: config.TemplateShape) -> str:
         _wgmma_call("wgmma_qk", "S (+)= Q K^T: Q and K tiles in shared memory", shape.sub_keys,
                     ptx, a_from_registers=False),
         _wgmma_call("wgmma_pv", "O (+)= P V: P in registers, V in shared memory (MN-major)",
-                    shape.head_dim, ptx, a_from_registers=True),
+                    shape.head_dim_vo, ptx, a_from_registers=True),
         "}  // namespace attnlang",
     ))
 
 
 def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
-            arch: str | None = None) -> dict[str, object]:
+            arch: str | None = None, head_dim_vo: int | None = None) -> dict[str, object]:
     """Every value a template splices, by name. Raises ValueError for a bad kind, dtype or
-    head_dim (`config.template_shape` validates them).
+    head dims (`config.template_shape` validates them; head_dim_vo None: head_dim).
 
     ``hooks_source`` carries what the hooks need besides common.cuh: the interval helpers of
     ``variant::mask_tile`` (mask_tiles.cuh), spliced verbatim ahead of the hooks. arch picks
     the prefill path (`config.uses_wgmma`); ``wgmma`` is its C++ literal, ``wgmma_source``
     the Hopper helpers (prefill only).
     """
-    shape = config.template_shape(kind, head_dim, dtype, arch)
+    shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo)
     return {
         "variant_name": hooks.variant,
         "dtype": dtype,
         "ctype": shape.ctype,
         "head_dim": shape.head_dim,
+        "head_dim_vo": shape.head_dim_vo,
         "vec": shape.vec,
+        "vec_vo": shape.vec_vo,
         "tx": shape.tx,
         "kv_tile": shape.kv_tile,
         "stages": shape.stages,
@@ -182,11 +184,13 @@ def _resolve_line_resets(text: str, name: str) -> str:
     return "\n".join(lines)
 
 
-def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None = None) -> str:
+def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None = None,
+           head_dim_vo: int | None = None) -> str:
     """The complete CUDA source of kernel `kind` ("decode", "prefill" or "merge") for these
     hooks.
 
-    dtype: "float16" or "bfloat16"; head_dim: 64, 128 or 256; arch: the compile target, which
+    dtype: "float16" or "bfloat16"; head_dim: 64, 128 or 256, or 192 with head_dim_vo 128
+    (`config.HEAD_DIM_PAIRS`; head_dim_vo None: head_dim); arch: the compile target, which
     picks the prefill path (None: mma.sync, which every sm_80+ target runs; "sm_90a": wgmma
     at head_dim 64 and 128). The source's ``extern "C"``
     entry is named after the kind; its arguments are INTERNALS.md's followed by
@@ -197,6 +201,6 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None 
         src = render(lower(attnlang.load("examples/softcap.attn")), "decode", "bfloat16", 128)
         'extern "C" __global__' in src   # True
     """
-    ctx = context(hooks, kind, dtype, head_dim, arch)
+    ctx = context(hooks, kind, dtype, head_dim, arch, head_dim_vo)
     text = environment().get_template(f"{kind}.cu.j2").render(**ctx)
     return _resolve_line_resets(text, generated_name(hooks, kind))

@@ -82,14 +82,19 @@ def _attention_lse_op(handle: int, q: torch.Tensor, k_cache: torch.Tensor,
     return out, lse
 
 
+def _fake_out(q: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+    """out as run() makes it: q's rows and heads, v_cache's head dim (MLA: 128 beside 192)."""
+    return q.new_empty((q.shape[0], q.shape[1], v_cache.shape[-1]))
+
+
 @_attention_op.register_fake
 def _(handle, q, k_cache, v_cache, tensor_params, scalar_params, sm_scale):
-    return torch.empty_like(q)
+    return _fake_out(q, v_cache)
 
 
 @_attention_lse_op.register_fake
 def _(handle, q, k_cache, v_cache, tensor_params, scalar_params, sm_scale):
-    return torch.empty_like(q), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
+    return _fake_out(q, v_cache), q.new_empty((q.shape[0], q.shape[1]), dtype=torch.float32)
 
 
 class AttentionOp:

@@ -98,7 +98,7 @@ class BatchAttention:
         variant_or_module: an ir.Variant (compiled on demand, cached) or a KernelModule
             (`attnlang.load_compiled`) built for the same head_dim and dtype.
         num_qo_heads, num_kv_heads: query and KV heads (num_qo_heads % num_kv_heads == 0).
-        head_dim: 64, 128 or 256.
+        head_dim: 64, 128 or 256 (queries and keys; 192 with head_dim_vo 128).
         dtype: "bfloat16" / "float16" (or "bf16", "fp16", a NumPy/CuPy/torch dtype).
         page_size: tokens per page of the KV cache.
         max_batch_size, max_total_q: the largest batch plan() will accept; with
@@ -116,6 +116,10 @@ class BatchAttention:
             the prefill kernel, the others in the decode kernel (default
             `planner.PREFILL_MIN_ROWS`, 3: see there why).
         device: CUDA device ordinal (default: CuPy's current device).
+        head_dim_vo: the values' (and outputs') head dim when it differs from head_dim:
+            128 with head_dim 192, MLA's shape without weight absorption (DeepSeek-V2/V3
+            prefill). v_cache is then [num_pages, page_size, num_kv_heads, head_dim_vo] and
+            out [total_q, num_qo_heads, head_dim_vo]. Default: head_dim.
 
     Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
     rows per work item) or, when it has more than prefill_min_rows fused rows
@@ -150,9 +154,10 @@ class BatchAttention:
                  max_partial_rows: int | None = None, max_merge_rows: int | None = None,
                  arch: str | None = None, num_ctas: int | None = None,
                  num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
-                 device: int | None = None):
+                 device: int | None = None, head_dim_vo: int | None = None):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
-        self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size)
+        self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
+                                    head_dim_vo)
         for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
                             ("max_kv_indices", max_kv_indices)):
             check_count(name, value)
@@ -198,7 +203,8 @@ class BatchAttention:
                 native = device_arch(self.device)
                 arch = env.arch() or ("sm_90a" if native == "sm_90" else native)
             self.module = compile_variant(variant_or_module, head_dim=self.shape.head_dim,
-                                          dtype=self.shape.dtype, arch=arch)
+                                          dtype=self.shape.dtype, arch=arch,
+                                          head_dim_vo=self.shape.head_dim_vo)
         # The IR mask trims each work unit's KV range at plan time (planner._trim). A module
         # loaded from disk (load_compiled) carries no IR: its plans cover the whole KV range
         # and the kernels skip the EMPTY tiles themselves.
@@ -207,9 +213,9 @@ class BatchAttention:
         self._mask = variant.mask if variant is not None else None
         s = self.shape
         arch = self.module.arch  # the prefill kernel's path (and launch) depends on it
-        self._decode_cfg = launch_config("decode", s.head_dim, s.group_size, s.dtype, arch)
-        self._prefill_cfg = launch_config("prefill", s.head_dim, s.group_size, s.dtype, arch)
-        self._merge_cfg = launch_config("merge", s.head_dim, s.group_size, s.dtype, arch)
+        self._decode_cfg, self._prefill_cfg, self._merge_cfg = (
+            launch_config(kind, s.head_dim, s.group_size, s.dtype, arch, s.head_dim_vo)
+            for kind in ("decode", "prefill", "merge"))
         self._decode = self.module.function("decode", self.device,
                                             dynamic_smem=self._decode_cfg.smem_bytes)
         self._prefill = self.module.function("prefill", self.device,
@@ -249,7 +255,7 @@ class BatchAttention:
         with cupy.cuda.Device(self.device):
             self._ints = cupy.zeros(self._layout.total, dtype=np.int32)
             rows = self.bounds.max_partial_rows
-            self._partial_o = cupy.empty((rows, s.head_dim), dtype=np.float32)
+            self._partial_o = cupy.empty((rows, s.head_dim_vo), dtype=np.float32)
             self._partial_lse = cupy.empty((rows,), dtype=np.float32)
             # lse target when the caller does not ask for lse: fixed, so graphs stay valid.
             self._lse_scratch = cupy.empty((max_total_q, s.num_qo_heads), dtype=np.float32)
@@ -392,11 +398,12 @@ class BatchAttention:
         """Attention of the planned batch. Validates everything before launching.
 
         q [total_q, num_qo_heads, head_dim]; kv_cache = (k_cache, v_cache), each
-        [num_pages, page_size, num_kv_heads, head_dim]; params: the variant's run-time params
-        by name; out (optional) like q; lse (optional) float32 [total_q, num_qo_heads];
-        sm_scale default 1/sqrt(head_dim). Inputs are CuPy arrays or CUDA torch tensors
-        (bf16 CuPy data without ml_dtypes: uint16 bits); outputs come back in the same type,
-        on the caller's current stream (torch's for torch inputs).
+        [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo); params: the
+        variant's run-time params by name; out (optional) like q (head_dim_vo wide); lse
+        (optional) float32 [total_q, num_qo_heads]; sm_scale default 1/sqrt(head_dim). Inputs
+        are CuPy arrays or CUDA torch tensors (bf16 CuPy data without ml_dtypes: uint16
+        bits); outputs come back in the same type, on the caller's current stream (torch's for
+        torch inputs).
 
         Returns out, or (out, lse) with return_lse=True; lse is the natural-log
         log-sum-exp of each row (-inf for a fully masked row), None for softmax-off
@@ -452,7 +459,7 @@ class BatchAttention:
                                                             stream, capturing)
             out_obj = out
             if out is None:
-                out_obj = _empty_like(q, checked)
+                out_obj = _empty_out(q, checked, self.shape.head_dim_vo)
                 out_ptr = data_ptr(out_obj)
             lse_obj = lse
             if lse is None:
@@ -544,7 +551,8 @@ class BatchAttention:
         with the same signature reuse."""
         args = validate_run_inputs(self.shape, self.module.params, self._inputs, q, kv_cache,
                                    params, out=out, lse=lse, sm_scale=sm_scale,
-                                   variant_name=self.module.name)
+                                   variant_name=self.module.name,
+                                   dim_sizes=self.module.param_dims)
         if args.device != self.device:
             raise ValueError(f"q is on device {args.device} but this BatchAttention "
                              f"lives on device {self.device}")
@@ -671,15 +679,17 @@ def _misaligned(**pointers: int) -> str:
             "whole row)")
 
 
-def _empty_like(q: Any, checked: _CheckedCall):
-    """A new output shaped and typed like q (validated: contiguous, q's dtype and device)."""
+def _empty_out(q: Any, checked: _CheckedCall, head_dim_vo: int):
+    """A new output typed like q (validated: contiguous, q's dtype and device), of
+    head_dim_vo elements per head."""
+    shape = tuple(q.shape[:2]) + (head_dim_vo,)
     if checked.torch_io:
-        return sys.modules["torch"].empty_like(q)
+        return sys.modules["torch"].empty(shape, dtype=q.dtype, device=q.device)
     cupy = sys.modules["cupy"]
     if isinstance(q, cupy.ndarray):
-        return cupy.empty_like(q)  # on the current device: run() has made it q's
+        return cupy.empty(shape, dtype=q.dtype)  # on the current device: run() has made it q's
     info = checked.arrays[0]  # another kind of device array: a CuPy output
-    return empty_output(info, info.shape, info.dtype)[0]
+    return empty_output(info, shape, info.dtype)[0]
 
 
 def _empty_lse(q: Any, checked: _CheckedCall, shape: tuple[int, int]):
@@ -690,11 +700,13 @@ def _empty_lse(q: Any, checked: _CheckedCall, shape: tuple[int, int]):
 
 
 def _check_module(module: KernelModule, shape: AttentionShape) -> None:
-    if (module.head_dim, module.dtype) != (shape.head_dim, shape.dtype):
+    have = (module.head_dim, module.head_dim_vo, module.dtype)
+    if have != (shape.head_dim, shape.head_dim_vo, shape.dtype):
         raise ValueError(
-            f"the compiled module {module.name} is {module.dtype} head_dim {module.head_dim}, "
-            f"but this BatchAttention asks for {shape.dtype} head_dim {shape.head_dim}: "
-            "compile the variant for those (attnlang.compile) or pass the Variant itself"
+            f"the compiled module {module.name} is {module.dtype} head_dim {module.head_dim}"
+            f"/{module.head_dim_vo} (query-key/value), but this BatchAttention asks for "
+            f"{shape.dtype} head_dim {shape.head_dim}/{shape.head_dim_vo}: compile the variant "
+            "for those (attnlang.compile) or pass the Variant itself"
         )
     missing = [k for k in ("decode", "prefill", "merge") if k not in module.cubins]
     if missing:

@@ -34,17 +34,17 @@ from pathlib import Path
 from typing import Any
 
 from attnlang import ir
+from attnlang.codegen.config import HEAD_DIM_PAIRS, HEAD_DIMS, check_head_dims
 from attnlang.runtime.arrays import normalize_dtype
 from attnlang.runtime.compiler import Cubin, FunctionInfo
 
 __all__ = [
     "KINDS", "KERNEL_KINDS", "HEAD_DIMS", "MANIFEST_FORMAT", "KernelModule", "ModuleLoadError",
-    "compile_variant", "load_compiled", "arch_runs_on", "device_arch",
+    "compile_variant", "load_compiled", "arch_runs_on", "device_arch", "check_head_dim",
 ]
 
 KINDS = ("decode", "prefill", "merge")
 KERNEL_KINDS = KINDS  # the name the CLI uses
-HEAD_DIMS = (64, 128, 256)
 MANIFEST_FORMAT = 1
 _SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 # Dynamic shared memory above this needs an explicit opt-in per function.
@@ -60,10 +60,13 @@ class KernelModule:
     """The compiled kernels of one variant at one (dtype, head_dim, arch).
 
     Attributes: name (the variant's), params (its ParamSpecs, declaration order), softmax,
-    dtype ("float16" | "bfloat16"), head_dim, arch ("sm_90a"), cubins (kind -> compiler
+    dtype ("float16" | "bfloat16"), head_dim, head_dim_vo (of values and outputs: head_dim
+    but for MLA's 192/128), arch ("sm_90a"), cubins (kind -> compiler
     `Cubin`: data, functions (ptxas report), compile_seconds, cache ("memory" | "disk" |
     "miss", or "loaded" for a module read by load_compiled), path), entries (kind -> extern
-    "C" entry name), variant (the ir.Variant, None for a loaded module).
+    "C" entry name), variant (the ir.Variant, None for a loaded module), param_dims (tensor
+    param name -> the length of its `dim` axis: head_dim, or head_dim_vo for a table the value
+    and output stages read).
 
     Example::
 
@@ -84,9 +87,15 @@ class KernelModule:
     entries: Mapping[str, str]
     variant: ir.Variant | None = field(default=None, repr=False)
     nvrtc_version: str = "unknown"
+    head_dim_vo: int = 0  # 0: head_dim (set in __post_init__)
+    param_dims: Mapping[str, int] = field(default_factory=dict, repr=False)
     # device ordinal -> kind -> (cupy.cuda.Module, Function, dynamic smem opted into)
     _loaded: dict = field(default_factory=dict, init=False, repr=False)
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
+
+    def __post_init__(self):
+        if not self.head_dim_vo:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -94,7 +103,8 @@ class KernelModule:
 
     def label(self, kind: str) -> str:
         """Human name of one kernel, e.g. "softcap/decode bf16 d128 sm_90a"."""
-        return f"{self.name}/{kind} {_SHORT_DTYPE[self.dtype]} d{self.head_dim} {self.arch}"
+        return (f"{self.name}/{kind} {_SHORT_DTYPE[self.dtype]} "
+                f"{_dims_label(self.head_dim, self.head_dim_vo)} {self.arch}")
 
     def save(self, directory: str | os.PathLike) -> Path:
         """Write one ``<kind>.cubin`` per kind plus ``manifest.json`` into `directory`
@@ -121,6 +131,8 @@ class KernelModule:
             },
             "dtype": self.dtype,
             "head_dim": self.head_dim,
+            "head_dim_vo": self.head_dim_vo,
+            "param_dims": dict(self.param_dims),
             "arch": self.arch,
             "kinds": list(self.cubins),
             "cubins": cubins,
@@ -175,12 +187,14 @@ _MODULES_LOCK = threading.Lock()
 
 
 def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat16",
-                    arch: str | None = None,
-                    kinds: tuple[str, ...] = KINDS) -> KernelModule:
+                    arch: str | None = None, kinds: tuple[str, ...] = KINDS,
+                    head_dim_vo: int | None = None) -> KernelModule:
     """Render and compile `variant`'s kernels (one per kind) for (dtype, head_dim, arch).
 
     Needs NVRTC and the CUDA headers, not a GPU. arch None: ``ATTNLANG_ARCH``, else the
     current GPU's. Cached in memory (per process) and on disk (by the compiler).
+    head_dim_vo: the values' and outputs' head dim, None for head_dim (MLA: head_dim=192,
+    head_dim_vo=128; `config.HEAD_DIM_PAIRS`).
 
     Example: ``compile_variant(v, head_dim=128, dtype="bf16", arch="sm_90a").kinds``
     -> ``("decode", "prefill", "merge")``.
@@ -191,21 +205,26 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     if not isinstance(variant, ir.Variant):
         raise TypeError(f"variant must be an attnlang Variant (attnlang.load(...)), got "
                         f"{type(variant).__name__}")
-    head_dim = check_head_dim(head_dim)
+    head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
+    # The dim axes' lengths; raises for a table both head dims would read.
+    param_dims = {name: sizes["dim"] for name, sizes in
+                  ir.extent_sizes(variant, 1, 1, 1, head_dim, head_dim_vo).items()}
     dtype = normalize_dtype(dtype)
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
     arch = resolve_arch(arch)
-    key = (variant, head_dim, dtype, arch, kinds)
+    key = (variant, head_dim, head_dim_vo, dtype, arch, kinds)
     with _MODULES_LOCK:
         hit = _MODULES.get(key)
     if hit is not None:
         return hit
     short = _SHORT_DTYPE[dtype]
-    labels = {kind: f"{variant.name}/{kind} {short} d{head_dim}" for kind in kinds}
-    sources = {kind: generate_source(variant, kind, dtype, head_dim, arch) for kind in kinds}
+    dims = _dims_label(head_dim, head_dim_vo)
+    labels = {kind: f"{variant.name}/{kind} {short} {dims}" for kind in kinds}
+    sources = {kind: generate_source(variant, kind, dtype, head_dim, arch, head_dim_vo)
+               for kind in kinds}
     # The kinds compile concurrently: NVRTC runs without the GIL, and separate programs may
     # compile at once, so a cold compile takes about as long as its slowest kernel.
     with ThreadPoolExecutor(max_workers=len(kinds)) as pool:
@@ -219,7 +238,8 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     module = KernelModule(
         name=variant.name, params=tuple(variant.params), softmax=bool(variant.softmax),
         dtype=dtype, head_dim=head_dim, arch=arch, cubins=cubins, entries=entries,
-        variant=variant, nvrtc_version=f"{major}.{minor}",
+        variant=variant, nvrtc_version=f"{major}.{minor}", head_dim_vo=head_dim_vo,
+        param_dims=param_dims,
     )
     with _MODULES_LOCK:
         return _MODULES.setdefault(key, module)
@@ -288,6 +308,9 @@ def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -
             arch=str(manifest["arch"]),
             cubins=cubins, entries=entries,
             nvrtc_version=str(manifest.get("nvrtc_version", "unknown")),
+            head_dim_vo=check_head_dims(manifest["head_dim"],
+                                        manifest.get("head_dim_vo", manifest["head_dim"]))[1],
+            param_dims={str(k): int(v) for k, v in manifest.get("param_dims", {}).items()},
         )
     except ModuleLoadError:
         raise
@@ -297,11 +320,17 @@ def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -
 
 
 def check_head_dim(head_dim: Any) -> int:
-    """head_dim as an int if supported (64, 128, 256), else ValueError naming it."""
-    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {', '.join(map(str, HEAD_DIMS))}, "
+    """head_dim as an int if some kernel pair has it (64, 128, 192, 256), else ValueError."""
+    dims = sorted({q for q, _ in HEAD_DIM_PAIRS})
+    if isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim not in dims:
+        raise ValueError(f"head_dim must be one of {', '.join(map(str, dims))}, "
                          f"got {head_dim!r}")
     return int(head_dim)
+
+
+def _dims_label(head_dim: int, head_dim_vo: int) -> str:
+    """"d128", or "d192/128" when the values' head dim differs."""
+    return f"d{head_dim}" if head_dim == head_dim_vo else f"d{head_dim}/{head_dim_vo}"
 
 
 _ARCH_RE = re.compile(r"sm_(\d+)(\d)([af]?)")

@@ -39,7 +39,7 @@ def ragged_to_paged(k: np.ndarray, v: np.ndarray, kv_indptr: Any, page_size: int
 
     Args:
         k, v: [total_kv, num_kv_heads, head_dim] (any float dtype), request b's tokens at
-            rows kv_indptr[b]:kv_indptr[b+1].
+            rows kv_indptr[b]:kv_indptr[b+1]; v's head dim may differ (MLA: 192 and 128).
         kv_indptr: [batch+1] token offsets.
         page_size: tokens per page.
         num_pages: pages in the cache (default: what the batch needs plus a quarter spare,
@@ -49,14 +49,14 @@ def ragged_to_paged(k: np.ndarray, v: np.ndarray, kv_indptr: Any, page_size: int
         rng: a Generator or seed for the page order and the poison values.
 
     Returns (k_cache, v_cache, kv_indices, kv_page_indptr, kv_last_page_len): caches
-    [num_pages, page_size, num_kv_heads, head_dim] in k's dtype; int32 page table arrays
-    ready for BatchAttention.plan (kv_page_indptr is its kv_indptr).
+    [num_pages, page_size, num_kv_heads, head_dim] in k's (v's) dtype and head dim; int32 page
+    table arrays ready for BatchAttention.plan (kv_page_indptr is its kv_indptr).
     """
     rng = rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng)
     k, v = np.asarray(k), np.asarray(v)
-    if k.ndim != 3 or v.shape != k.shape:
-        raise ValueError(f"k and v must have one shape [total_kv, num_kv_heads, head_dim], got "
-                         f"{k.shape} and {v.shape}")
+    if k.ndim != 3 or v.ndim != 3 or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"k and v must be [total_kv, num_kv_heads, head_dim] with the same "
+                         f"tokens and heads, got {k.shape} and {v.shape}")
     if isinstance(page_size, bool) or not isinstance(page_size, (int, np.integer)) \
             or page_size < 1:
         raise ValueError(f"page_size must be a positive integer, got {page_size!r}")
@@ -74,9 +74,8 @@ def ragged_to_paged(k: np.ndarray, v: np.ndarray, kv_indptr: Any, page_size: int
     if num_pages < needed:
         raise ValueError(f"num_pages = {num_pages} is too small: the batch needs {needed}")
     _, hkv, d = k.shape
-    shape = (num_pages, page_size, hkv, d)
-    k_cache = _poison(rng, shape, k.dtype)
-    v_cache = _poison(rng, shape, v.dtype)
+    k_cache = _poison(rng, (num_pages, page_size, hkv, d), k.dtype)
+    v_cache = _poison(rng, (num_pages, page_size, hkv, v.shape[2]), v.dtype)
     order = rng.permutation(num_pages) if shuffle else np.arange(num_pages)
     kv_indices = order[:needed].astype(np.int32)
     page_indptr = indptr_from_lengths(pages_per_req)
@@ -96,7 +95,8 @@ def ragged_to_paged(k: np.ndarray, v: np.ndarray, kv_indptr: Any, page_size: int
 
 def paged_to_ragged(k_cache: np.ndarray, v_cache: np.ndarray, kv_indices: Any,
                     kv_page_indptr: Any, kv_last_page_len: Any):
-    """The inverse of ragged_to_paged: (k, v, kv_indptr) with k, v [total_kv, Hkv, D]."""
+    """The inverse of ragged_to_paged: (k, v, kv_indptr) with k, v [total_kv, Hkv, D] (v: its
+    own head dim)."""
     kv_indices = np.asarray(kv_indices, dtype=np.int64)
     page_indptr = np.asarray(kv_page_indptr, dtype=np.int64)
     last = np.asarray(kv_last_page_len, dtype=np.int64)
@@ -108,9 +108,8 @@ def paged_to_ragged(k_cache: np.ndarray, v_cache: np.ndarray, kv_indices: Any,
         ks.append(k_cache[pages].reshape(-1, *k_cache.shape[2:])[:n])
         vs.append(v_cache[pages].reshape(-1, *v_cache.shape[2:])[:n])
         lengths.append(n)
-    empty = (0, *k_cache.shape[2:])
-    k = np.concatenate(ks) if ks else np.zeros(empty, k_cache.dtype)
-    v = np.concatenate(vs) if vs else np.zeros(empty, v_cache.dtype)
+    k = np.concatenate(ks) if ks else np.zeros((0, *k_cache.shape[2:]), k_cache.dtype)
+    v = np.concatenate(vs) if vs else np.zeros((0, *v_cache.shape[2:]), v_cache.dtype)
     return k, v, indptr_from_lengths(lengths)
 
 

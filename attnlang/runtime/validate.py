@@ -21,9 +21,9 @@ from typing import Any
 import numpy as np
 
 from attnlang import ir
+from attnlang.codegen.config import check_head_dims
 from attnlang.errors import did_you_mean
 from attnlang.runtime.arrays import TensorInfo, describe, host_int_array, normalize_dtype
-from attnlang.runtime.module import check_head_dim
 from attnlang.runtime.planner import PlanError, lengths_from_indptr
 
 __all__ = [
@@ -40,9 +40,14 @@ class AttentionShape:
 
     num_qo_heads: int
     num_kv_heads: int
-    head_dim: int
+    head_dim: int  # of queries and keys
     dtype: str  # "float16" | "bfloat16"
     page_size: int
+    head_dim_vo: int = 0  # of values and outputs; 0 (validate_shape never leaves it): head_dim
+
+    def __post_init__(self):
+        if not self.head_dim_vo:
+            object.__setattr__(self, "head_dim_vo", self.head_dim)
 
     @property
     def group_size(self) -> int:
@@ -50,8 +55,9 @@ class AttentionShape:
 
 
 def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: Any,
-                   page_size: Any) -> AttentionShape:
+                   page_size: Any, head_dim_vo: Any = None) -> AttentionShape:
     """Check BatchAttention's geometry; raise ValueError/TypeError naming the argument.
+    head_dim_vo: the values' head dim (None: head_dim; `config.HEAD_DIM_PAIRS`).
 
     Example: ``validate_shape(32, 8, 128, "bf16", 16).group_size == 4``.
     """
@@ -63,9 +69,9 @@ def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: A
             f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
             f"({num_kv_heads}): each KV head serves a group of query heads (GQA)"
         )
-    head_dim = check_head_dim(head_dim)
+    head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
     return AttentionShape(int(num_qo_heads), int(num_kv_heads), head_dim,
-                          normalize_dtype(dtype), int(page_size))
+                          normalize_dtype(dtype), int(page_size), head_dim_vo)
 
 
 @dataclass(frozen=True, eq=False)
@@ -180,15 +186,18 @@ class RunInputs:
 def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
                         inputs: PlanInputs, q: Any, kv_cache: Any, params: Any = None, *,
                         out: Any = None, lse: Any = None, sm_scale: Any = None,
-                        variant_name: str = "variant") -> RunInputs:
+                        variant_name: str = "variant",
+                        dim_sizes: Mapping[str, int] | None = None) -> RunInputs:
     """Check everything run() receives against the geometry and the planned batch (`inputs`,
     from validate_plan_inputs); raise ValueError/TypeError naming the argument. Pure: arrays
     are only described (TensorInfo instances may be passed in place of arrays), nothing
     touches a GPU.
 
     q [total_q, num_qo_heads, head_dim]; kv_cache = (k_cache, v_cache), each
-    [num_pages, page_size, num_kv_heads, head_dim]; out like q; lse [total_q, num_qo_heads]
-    float32. All contiguous, on one device, q/k/v/out of the BatchAttention's dtype.
+    [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo); out
+    [total_q, num_qo_heads, head_dim_vo]; lse [total_q, num_qo_heads] float32. All
+    contiguous, on one device, q/k/v/out of the BatchAttention's dtype. dim_sizes: the length
+    of each tensor param's `dim` axis (`ir.extent_sizes`; None: head_dim).
     """
     total_q, hq, hkv, d = inputs.total_q, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     qi = _device_tensor(q, "q")
@@ -204,7 +213,11 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
     layout = "[num_pages, page_size, num_kv_heads, head_dim]"
     _check_array(ki, "k_cache", (None, shape.page_size, hkv, d), layout)
     num_pages = ki.shape[0]
-    _check_array(vi, "v_cache", ki.shape, f"{layout} (the shape of k_cache)")
+    if shape.head_dim_vo == d:
+        _check_array(vi, "v_cache", ki.shape, f"{layout} (the shape of k_cache)")
+    else:
+        _check_array(vi, "v_cache", ki.shape[:3] + (shape.head_dim_vo,),
+                     "[num_pages, page_size, num_kv_heads, head_dim_vo]")
     for name, info in (("k_cache", ki), ("v_cache", vi)):
         if info.dtype != qi.dtype:
             raise TypeError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; they must match")
@@ -216,7 +229,9 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
     outi = lsei = None
     if out is not None:
         outi = _device_tensor(out, "out")
-        _check_array(outi, "out", qi.shape, "[total_q, num_qo_heads, head_dim], like q")
+        _check_array(outi, "out", (total_q, hq, shape.head_dim_vo),
+                     "[total_q, num_qo_heads, head_dim]" if shape.head_dim_vo == d
+                     else "[total_q, num_qo_heads, head_dim_vo]")
         if outi.dtype != qi.dtype:
             raise TypeError(f"out has dtype {outi.dtype} but q has {qi.dtype}; they must match")
     if lse is not None:
@@ -235,13 +250,14 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
         if not math.isfinite(scale):
             raise ValueError(f"sm_scale must be finite, got {scale}")
     resolved = resolve_params(specs, params, shape=shape, batch_size=inputs.batch_size,
-                              device=qi.device, variant_name=variant_name)
+                              device=qi.device, variant_name=variant_name, dim_sizes=dim_sizes)
     return RunInputs(qi, ki, vi, outi, lsei, resolved, scale, int(qi.device))
 
 
 def resolve_params(specs: Sequence[ir.ParamSpec], params: Any, *, shape: AttentionShape,
-                   batch_size: int, device: int | None = 0,
-                   variant_name: str = "variant") -> tuple[tuple[ir.ParamSpec, Any], ...]:
+                   batch_size: int, device: int | None = 0, variant_name: str = "variant",
+                   dim_sizes: Mapping[str, int] | None = None,
+                   ) -> tuple[tuple[ir.ParamSpec, Any], ...]:
     """Match run()'s `params` dict to the variant's declared params (declaration order).
 
     Scalars: Python (or NumPy) numbers -> np.float32 / np.int32; a missing scalar takes its
@@ -284,8 +300,9 @@ def resolve_params(specs: Sequence[ir.ParamSpec], params: Any, *, shape: Attenti
         if not spec.is_tensor:
             resolved.append((spec, _scalar_param(value, spec, where)))
         else:
-            resolved.append((spec, _tensor_param(value, spec, spec.shape(extents), where,
-                                                 device)))
+            dim = (dim_sizes or {}).get(spec.name, shape.head_dim)
+            resolved.append((spec, _tensor_param(value, spec, spec.shape({**extents, "dim": dim}),
+                                                 where, device)))
     return tuple(resolved)
 
 

@@ -130,10 +130,12 @@ def _emulated_source(src: str, kind: str) -> str:
     return src + main
 
 
-def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path) -> Path:
+def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path,
+          head_dim_vo: int | None = None) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
-    src = _emulated_source(render(hooks, kind, dtype, head_dim), kind)
-    return compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}", bin_dir, (SHIM,))
+    src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo), kind)
+    return compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{head_dim_vo}",
+                          bin_dir, (SHIM,))
 
 
 def compile_cached(src: str, name: str, bin_dir: Path, shims: tuple[Path, ...]) -> Path:
@@ -195,14 +197,15 @@ def _from_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def _params(v: ir.Variant, rng, sizes: dict[str, int], kv_lens, given) -> dict:
+def _params(v: ir.Variant, rng, sizes: dict[str, dict[str, int]], kv_lens, given) -> dict:
+    """Random run-time params; sizes: each param's named extents (`ir.extent_sizes`)."""
     params = {}
     for p in v.params:
         if not p.is_tensor:
             params[p.name] = p.default if p.default is not None else (
                 float(rng.uniform(0.5, 2.0)) if p.type is ir.FLOAT else int(rng.integers(0, 5)))
             continue
-        n = p.shape(sizes)
+        n = p.shape(sizes[p.name])
         if p.type is ir.BOOL:
             params[p.name] = rng.random(n) < 0.3
         elif p.type is ir.FLOAT:
@@ -246,7 +249,8 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
              num_heads: int = 8, num_kv_heads: int = 2, qo_lens=(1, 3, 2),
              kv_lens=(37, 100, 5), page_size: int = 16, num_ctas: int = 4,
              kv_chunk_size: int | None = None, params: dict | None = None,
-             sm_scale: float | None = None, eager: bool = False, seed: int = 0) -> Result:
+             sm_scale: float | None = None, eager: bool = False, seed: int = 0,
+             head_dim_vo: int | None = None) -> Result:
     """Plan a random paged batch, run decode (+ merge) emulated, compare with the reference.
 
     Pages are shuffled in memory; out, lse and the partial buffers start as NaN.
@@ -264,19 +268,19 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     last = np.array([int(n) - (p - 1) * page_size if p else 0
                      for n, p in zip(kv_lens, pages, strict=True)], np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    dv = head_dim if head_dim_vo is None else head_dim_vo
     q_bits, q = _to_bits(rng.standard_normal((total_q, num_heads, head_dim)), dtype)
     cache_shape = (total_pages, page_size, num_kv_heads, head_dim)
     k_bits, k = _to_bits(rng.standard_normal(cache_shape), dtype)
-    v_bits, vv = _to_bits(rng.standard_normal(cache_shape), dtype)
-    sizes = {"heads": num_heads, "kv_heads": num_kv_heads, "batch": len(qo_lens),
-             "dim": head_dim}
+    v_bits, vv = _to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
+    sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
     params = _params(v, rng, sizes, kv_lens, params)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)
 
     hooks = lower(v)
-    cfg = launch_config("decode", head_dim, group, dtype)
+    cfg = launch_config("decode", head_dim, group, dtype, head_dim_vo=dv)
     plan = plan_batch(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
                       rows_per_tile=cfg.rows_per_tile, num_ctas=num_ctas,
                       kv_align=cfg.kv_tile, kv_chunk_size=kv_chunk_size)
@@ -284,12 +288,12 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     partial_rows = max(1, plan.num_partial_rows)
     arrays = {
         "q": q_bits, "k_cache": k_bits, "v_cache": v_bits,
-        "out": np.full((total_q, num_heads, head_dim), nan16, np.uint16),
+        "out": np.full((total_q, num_heads, dv), nan16, np.uint16),
         "lse": np.full((total_q, num_heads), np.nan, np.float32),
         "qo_indptr": qo_indptr, "kv_indptr": kv_indptr,
         "kv_indices": kv_indices if len(kv_indices) else np.zeros(1, np.int32),
         "kv_last_page_len": last,
-        "partial_o": np.full((partial_rows, head_dim), np.nan, np.float32),
+        "partial_o": np.full((partial_rows, dv), np.nan, np.float32),
         "partial_lse": np.full((partial_rows,), np.nan, np.float32),
         **{name: a.astype(np.int32) for name, a in plan.work_arrays().items()},
     }
@@ -298,7 +302,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     tensor_params = kernel_param_values(hooks, v, params, scalars)
     arrays.update(tensor_params)
     bin_dir = workdir / "bin"
-    res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir), workdir / "run", arrays,
+    res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir, dv), workdir / "run", arrays,
                   scalars, plan.num_ctas, cfg, eager)
     out, lse = res["out"], res["lse"]
     if plan.merge_count:
@@ -309,8 +313,8 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
             **{name: a.astype(np.int32) for name, a in plan.merge_arrays().items()},
             **tensor_params,
         }
-        mcfg = launch_config("merge", head_dim, group, dtype)
-        res = _launch(build(hooks, "merge", dtype, head_dim, bin_dir), workdir / "run",
+        mcfg = launch_config("merge", head_dim, group, dtype, head_dim_vo=dv)
+        res = _launch(build(hooks, "merge", dtype, head_dim, bin_dir, dv), workdir / "run",
                       merge_arrays, scalars, 2, mcfg, eager)
         out, lse = res["out"], res["lse"]
 

@@ -64,11 +64,12 @@ def _emulated_source(src: str, kind: str) -> str:
     return out.replace(include, f'{include}\n#include "{SHIM}"', 1)
 
 
-def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path) -> Path:
+def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path,
+          head_dim_vo: int | None = None) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
-    src = _emulated_source(render(hooks, kind, dtype, head_dim), kind)
-    return base.compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}", bin_dir,
-                               (base.SHIM, SHIM))
+    src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo), kind)
+    return base.compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{head_dim_vo}",
+                               bin_dir, (base.SHIM, SHIM))
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,8 @@ class Result:
 def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim: int = 64,
              num_heads: int = 4, num_kv_heads: int = 2, qo_lens=(40, 1), kv_lens=(90, 33),
              page_size: int = 16, num_ctas: int = 3, kv_chunk_size: int | None = None,
-             sm_scale: float | None = None, eager: bool = False, seed: int = 0) -> Result:
+             sm_scale: float | None = None, eager: bool = False, seed: int = 0,
+             head_dim_vo: int | None = None) -> Result:
     """Plan a random paged batch with plan_mixed, run decode / prefill / merge emulated (each
     only if it has work), compare with the reference. Outputs and partials start as NaN."""
     rng = np.random.default_rng(seed)
@@ -99,19 +101,20 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     last = np.array([int(n) - (p - 1) * page_size if p else 0
                      for n, p in zip(kv_lens, pages, strict=True)], np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
+    dv = head_dim if head_dim_vo is None else head_dim_vo
     q_bits, q = base._to_bits(rng.standard_normal((total_q, num_heads, head_dim)), dtype)
     cache_shape = (total_pages, page_size, num_kv_heads, head_dim)
     k_bits, k = base._to_bits(rng.standard_normal(cache_shape), dtype)
-    v_bits, vv = base._to_bits(rng.standard_normal(cache_shape), dtype)
-    sizes = {"heads": num_heads, "kv_heads": num_kv_heads, "batch": len(qo_lens),
-             "dim": head_dim}
+    v_bits, vv = base._to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
+    sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
     params = base._params(v, rng, sizes, kv_lens, None)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)
 
     hooks = lower(v)
-    cfgs = {kind: launch_config(kind, head_dim, group, dtype) for kind in ("decode", "prefill")}
+    cfgs = {kind: launch_config(kind, head_dim, group, dtype, head_dim_vo=dv)
+            for kind in ("decode", "prefill")}
     plan = plan_mixed(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
                       **{kind: Tiling(c.rows_per_tile, num_ctas, c.kv_tile)
                          for kind, c in cfgs.items()},
@@ -119,9 +122,9 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     nan16 = np.uint16(0x7FFF if dtype == "float16" else 0x7FC0)
     partial_rows = max(1, plan.num_partial_rows)
     state = {
-        "out": np.full((total_q, num_heads, head_dim), nan16, np.uint16),
+        "out": np.full((total_q, num_heads, dv), nan16, np.uint16),
         "lse": np.full((total_q, num_heads), np.nan, np.float32),
-        "partial_o": np.full((partial_rows, head_dim), np.nan, np.float32),
+        "partial_o": np.full((partial_rows, dv), np.nan, np.float32),
         "partial_lse": np.full((partial_rows,), np.nan, np.float32),
     }
     scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
@@ -139,7 +142,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
             **{name: a.astype(np.int32) for name, a in sub.work_arrays().items()},
             **tensor_params,
         }
-        res = base._launch(build(hooks, kind, dtype, head_dim, bin_dir), workdir / "run",
+        res = base._launch(build(hooks, kind, dtype, head_dim, bin_dir, dv), workdir / "run",
                            arrays, scalars, num_ctas, cfgs[kind], eager)
         state = {name: res[name] for name in state}
     if plan.merge_count:
@@ -149,8 +152,9 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
             **{name: a.astype(np.int32) for name, a in plan.merge_arrays().items()},
             **tensor_params,
         }
-        res = base._launch(build(hooks, "merge", dtype, head_dim, bin_dir), workdir / "run",
-                           arrays, scalars, 2, launch_config("merge", head_dim, group, dtype),
+        res = base._launch(build(hooks, "merge", dtype, head_dim, bin_dir, dv), workdir / "run",
+                           arrays, scalars, 2,
+                           launch_config("merge", head_dim, group, dtype, head_dim_vo=dv),
                            eager)
         state.update(out=res["out"], lse=res["lse"])
 

@@ -68,6 +68,18 @@ def test_causal_layouts(case, workdir):
     check(emulator.run_case(v, workdir, **case), case.get("dtype", "bfloat16"))
 
 
+def test_value_head_dim_differs(workdir):
+    # MLA's shape: queries and keys of 192 (TX = 8 lanes of 24), values and outputs of 128
+    # (8 lanes of 16); dim tables and rope on the 192, a value hook and an output hook with
+    # reductions on the 128, split rows through the merge kernel's 128-wide rows.
+    for name in ("qk_norm", "kitchen_sink"):
+        v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index(name)])
+        r = emulator.run_case(v, workdir, head_dim=192, head_dim_vo=128, kv_chunk_size=32,
+                              num_ctas=3, seed=4)
+        assert r.merge_rows > 0
+        check(r, "bfloat16")
+
+
 @pytest.mark.parametrize("split", [None, 16])
 def test_fully_masked_rows(split, workdir):
     # Every key masked: o = 0 before the output stage (here output = o + 1), lse = -inf.

@@ -121,7 +121,7 @@ def test_params():
     assert (scalar(table("prefix", N, (V("batch"), "batch")))
             == "attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0)")
     assert (elem(table("w", F, (V("dim"), "dim")))
-            == "attnlang::table_at(p.u_w, attnlang::Known{dim}, attnlang::kHeadDim)")
+            == "attnlang::table_at(p.u_w, attnlang::Known{dim}, (VEC * TX))")
     # A computed index on a fixed extent is bound-tested; a bool table reads bytes.
     rel = B("-", V("q_pos"), V("kv_pos"))
     assert (scalar(table("bias", F, (V("head"), "heads"), (rel, 32)))
@@ -272,7 +272,7 @@ def test_elementwise_vector_stage():
                          value=B("*", V("v", F), w)))
     assert "for (int i = 0; i < VEC; ++i) {" in h.value
     assert "const int dim = dim0 + i;" in h.value
-    assert ("x[i] = (x[i] * attnlang::table_at(p.u_w, attnlang::Known{dim}, attnlang::kHeadDim));"
+    assert ("x[i] = (x[i] * attnlang::table_at(p.u_w, attnlang::Known{dim}, (VEC * TX)));"
             in h.value)
     assert h.has_value
 

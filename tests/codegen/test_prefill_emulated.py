@@ -44,6 +44,12 @@ CASES = {
     "rope-norm-256": ("tests/variants/rope_norm_window.attn",
                       dict(head_dim=256, num_heads=2, num_kv_heads=2, qo_lens=(20,),
                            kv_lens=(90,), page_size=7)),
+    # MLA's head dims (queries and keys 192, values 128): three K chunks and two V chunks per
+    # lane, V and the output staging in rows of their own length, value and output hooks on
+    # the 128, split rows.
+    "kitchen-sink-192-128": ("tests/variants/kitchen_sink.attn",
+                             dict(head_dim=192, head_dim_vo=128, qo_lens=(40, 1),
+                                  kv_lens=(90, 33), kv_chunk_size=48)),
 }
 
 

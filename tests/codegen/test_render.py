@@ -192,6 +192,25 @@ def test_launch_config_decode():
             assert cfg.kv_tile == shape.kv_tile
 
 
+def test_value_head_dim_shapes():
+    # MLA: both vectors over TX = gcd / 8 = 8 lanes, 24 query/key and 16 value elements each.
+    shape = config.template_shape("decode", 192, "bfloat16", head_dim_vo=128)
+    assert (shape.tx, shape.vec, shape.vec_vo, shape.kv_tile) == (8, 24, 16, 64)
+    cfg = config.launch_config("decode", 192, 1, head_dim_vo=128)
+    assert cfg.smem_bytes == 3 * 64 * (192 + 128) * 2 and cfg.threads >= 128
+    merge = config.template_shape("merge", 192, "bfloat16", head_dim_vo=128)
+    assert (merge.tx, merge.vec_vo) == (16, 8)  # merge rows are values only
+    for arch in (None, "sm_90a"):  # no wgmma for two head dims: mma.sync everywhere
+        prefill = config.template_shape("prefill", 192, "bfloat16", arch, 128)
+        assert not prefill.wgmma and (prefill.vec, prefill.vec_vo) == (24, 16)
+        cfg = config.launch_config("prefill", 192, 4, "bfloat16", arch, 128)
+        assert cfg.smem_bytes <= 114 * 1024  # two CTAs per SM
+    assert config.check_head_dims(64) == (64, 64)
+    for qk, vo in ((192, None), (128, 192), (96, 96), (True, 128)):
+        with pytest.raises(ValueError, match="unsupported head_dim"):
+            config.check_head_dims(qk, vo)
+
+
 def test_launch_config_merge_and_errors():
     cfg = config.launch_config("merge", 64, 8, "bfloat16")
     assert cfg.block == (8, 16, 1) and cfg.rows_per_tile == 16 and cfg.smem_bytes == 0
@@ -243,6 +262,15 @@ _MATRIX = [(v, k, "bfloat16", 128, a) for v in CPU_HEAVY_IDS for k in KINDS
 _MATRIX += [(v, k, d, hd, a) for v in ("qk_norm", "kitchen_sink") for k in KINDS
             for d in config.DTYPES for hd in config.HEAD_DIMS for a in ("sm_90a", "sm_80")
             if (d, hd) != ("bfloat16", 128)]
+# MLA's head dims (queries and keys 192, values 128), "192/128" below.
+_MATRIX += [(v, k, "bfloat16", "192/128", a) for v in ("qk_norm", "kitchen_sink") for k in KINDS
+            for a in ("sm_90a", "sm_80")]
+
+
+def head_dims(head_dim) -> tuple[int, int]:
+    """A matrix entry's (head_dim, head_dim_vo): 128 -> (128, 128), "192/128" -> (192, 128)."""
+    qk, _, vo = str(head_dim).partition("/")
+    return int(qk), int(vo or qk)
 
 
 @needs_nvrtc
@@ -251,12 +279,13 @@ _MATRIX += [(v, k, d, hd, a) for v in ("qk_norm", "kitchen_sink") for k in KINDS
 def test_compiles_without_spills(variant, kind, dtype, head_dim, arch):
     from attnlang.runtime.compiler import compile_source
 
+    qk, vo = head_dims(head_dim)
     hooks = lower(load(by_id(variant)))
-    src = render(hooks, kind, dtype, head_dim)
+    src = render(hooks, kind, dtype, qk, None, vo)
     cubin = compile_source(src, arch, name=generated_name(hooks, kind),
                            label=f"{variant} {kind} {dtype} d{head_dim}")
     (info,) = [f for f in cubin.functions if f.name == kind]
     assert info.spill_stores == 0 and info.spill_loads == 0, cubin.log
     assert info.stack_bytes == 0, cubin.log
-    shape = config.template_shape(kind, head_dim, dtype)
+    shape = config.template_shape(kind, qk, dtype, None, vo)
     assert info.registers <= 65536 // (shape.max_threads * shape.min_blocks)

@@ -44,6 +44,16 @@ def test_compiles_in_one_graph_without_a_break():
     assert lse.shape == (5, 8) and lse.dtype == torch.float32
 
 
+def test_traced_output_takes_the_value_head_dim():
+    # MLA: q and k of 192, v of 128: out is [total_q, heads, 128] in the traced graph too.
+    op = AttentionOp(_Geometry(SOFTCAP, 192))
+    q, k, _ = _meta_inputs(head_dim=192)
+    v = torch.empty(3, 16, 2, 128, dtype=torch.bfloat16, device="meta")
+    out, lse = torch.compile(lambda q, k, v: op(q, k, v, return_lse=True), fullgraph=True,
+                             backend="aot_eager")(q, k, v)
+    assert out.shape == (5, 8, 128) and lse.shape == (5, 8)
+
+
 def test_params_reach_the_operator_in_declaration_order():
     variant = attnlang.parse("variant t\nparam slopes: float[heads]\nparam w: int = 7\n"
                              "param cap: float\nlogits = cap * tanh(logits / cap) - "

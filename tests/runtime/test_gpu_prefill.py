@@ -50,13 +50,15 @@ def cp():
 
 def run_and_check(cp, variant, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype,
                   page_size, seed, error_log, where, kv_chunk_size=None, sm_scale=None,
-                  expect_prefill=True, expect_decode=None, **kwargs):
+                  expect_prefill=True, expect_decode=None, head_dim_vo=None, **kwargs):
     """Build a batch, plan it, run it, compare out and lse with the reference. Returns the
     plan and the device output (for further checks)."""
     rng = np.random.default_rng(seed)
     qo, kv = np.asarray(qo), np.asarray(kv)
-    batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype)
-    params = make_params(variant, rng, qo, kv, num_qo_heads, num_kv_heads, head_dim)
+    batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                       head_dim_vo)
+    params = make_params(variant, rng, qo, kv, num_qo_heads, num_kv_heads, head_dim,
+                         head_dim_vo)
     ref_o, ref_lse = attention_paged(variant, batch.q, batch.k_cache, batch.v_cache,
                                      *batch.table, params=params, sm_scale=sm_scale)
     kwargs.setdefault("max_batch_size", max(4, len(qo)))
@@ -67,7 +69,7 @@ def run_and_check(cp, variant, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, 
         kwargs.setdefault("max_partial_rows", 1 << 18)
         kwargs.setdefault("max_merge_rows", 1 << 17)
     attn = attnlang.BatchAttention(variant, num_qo_heads, num_kv_heads, head_dim, dtype=dtype,
-                                   page_size=page_size, **kwargs)
+                                   page_size=page_size, head_dim_vo=head_dim_vo, **kwargs)
     plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size)
     assert (plan.prefill.num_work_items > 0) == expect_prefill, "prefill kernel dispatch"
     if expect_decode is not None:
@@ -75,7 +77,7 @@ def run_and_check(cp, variant, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, 
     q = to_device(cp, batch.q, dtype)
     kc = to_device(cp, batch.k_cache, dtype)
     vc = to_device(cp, batch.v_cache, dtype)
-    out = poisoned(cp, q.shape, dtype)
+    out = poisoned(cp, q.shape[:2] + vc.shape[3:], dtype)
     got, lse = attn.run(q, (kc, vc), params, out=out, return_lse=True, sm_scale=sm_scale)
     got_host = from_device(cp, got, dtype)
     assert not np.isnan(got_host).any(), "rows left unwritten (still NaN)"
@@ -306,3 +308,34 @@ def test_prefill_is_deterministic(cp):
     assert attn.plan(*batch.table, kv_chunk_size=256).same_as(first)
     out2, lse2 = attn.run(q, (kc, vc), params, return_lse=True)
     assert cp.array_equal(out1, out2) and cp.array_equal(lse1, lse2)
+
+
+# ---------------------------------------------------------------------------- MLA head dims
+
+# Queries and keys of 192, values and outputs of 128: MLA itself, and variants with a hook in
+# every vector stage (dim tables and rope on the 192, value / output hooks on the 128), in the
+# decode kernel (one query per request), the prefill kernel and split through the merge.
+_MLA = [(v, d, mode, split) for n, (v, d) in enumerate(itertools.product(
+            ("mla", "kitchen_sink", "qk_norm", "rope_norm_window", "t5_bias"),
+            ("bfloat16", "float16")))
+        for mode, split in (("decode", n % 2 == 0), ("prefill", n % 2 == 1))]
+
+
+@pytest.mark.parametrize("variant_id, dtype, mode, split", _MLA,
+                         ids=[f"{v}-{SHORT[d]}-{m}-{'split' if s else 'whole'}"
+                              for v, d, m, s in _MLA])
+def test_value_head_dim_128_with_192(cp, error_log, variant_id, dtype, mode, split):
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    seed = zlib.crc32(f"{variant_id}{dtype}{mode}".encode())
+    rng = np.random.default_rng(seed)
+    if mode == "decode":
+        kv = rng.integers(1, 1500, 5)
+        qo = np.ones_like(kv)
+    else:
+        qo = np.array([rng.integers(150, 400), rng.integers(1, 40)])
+        kv = qo + np.array([rng.integers(0, 600), rng.integers(0, 200)])
+    run_and_check(cp, variant, qo, kv, num_qo_heads=8, num_kv_heads=2, head_dim=192,
+                  head_dim_vo=128, dtype=dtype, page_size=16, seed=seed, error_log=error_log,
+                  where=f"{mode} {variant_id} {SHORT[dtype]} d192/128",
+                  kv_chunk_size=96 if split else None, expect_prefill=mode == "prefill",
+                  prefill_min_rows=None if mode == "prefill" else 16)

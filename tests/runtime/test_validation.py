@@ -83,7 +83,10 @@ def run_inputs(**overrides):
     ((0, 1, 64, "bf16", 16), ValueError, "num_qo_heads must be a positive integer"),
     ((8, -2, 64, "bf16", 16), ValueError, "num_kv_heads"),
     ((8, 2.0, 64, "bf16", 16), TypeError, "num_kv_heads"),
-    ((8, 2, 96, "bf16", 16), ValueError, "head_dim must be one of 64, 128, 256"),
+    ((8, 2, 96, "bf16", 16), ValueError, "unsupported head_dim 96 with head_dim_vo 96: expected "
+                                         "one of 64, 128, 256 for both, or 192/128"),
+    ((8, 2, 192, "bf16", 16), ValueError, "unsupported head_dim 192 with head_dim_vo 192"),
+    ((8, 2, 128, "bf16", 16, 64), ValueError, "unsupported head_dim 128 with head_dim_vo 64"),
     ((8, 2, True, "bf16", 16), ValueError, "head_dim"),
     ((8, 2, 64, "float32", 16), ValueError, "dtype must be float16 or bfloat16"),
     ((8, 2, 64, "bf16", 0), ValueError, "page_size"),
@@ -91,6 +94,12 @@ def run_inputs(**overrides):
 def test_shape_errors(args, error, match):
     with pytest.raises(error, match=match):
         A.validate_shape(*args)
+
+
+def test_value_head_dim_shape():
+    shape = A.validate_shape(8, 2, 192, "bf16", 16, head_dim_vo=128)
+    assert (shape.head_dim, shape.head_dim_vo) == (192, 128)
+    assert A.validate_shape(8, 2, 64, "bf16", 16).head_dim_vo == 64
 
 
 def test_batch_attention_checks_arguments_before_touching_a_gpu():
@@ -220,6 +229,44 @@ def test_valid_run_inputs():
 def test_run_input_errors(overrides, error, match):
     with pytest.raises(error, match=match):
         run_inputs(**overrides)
+
+
+MLA_SHAPE = A.validate_shape(8, 2, 192, "bf16", 16, head_dim_vo=128)
+
+
+def test_run_inputs_with_a_value_head_dim():
+    # MLA: q and k_cache of 192, v_cache and out of 128; a dim table of the output stage is
+    # as long as the values (dim_sizes, from the compiled module).
+    gate = attnlang.parse("variant g\nparam w: float[dim]\noutput = o * w[dim]\n")
+    sizes = ir.extent_sizes(gate, 8, 2, 2, 192, 128)
+    assert sizes["w"]["dim"] == 128
+    r = run_inputs(shape=MLA_SHAPE, specs=gate.params, q=dev((4, 8, 192)),
+                   kv_cache=(dev((10, 16, 2, 192)), dev((10, 16, 2, 128))),
+                   out=dev((4, 8, 128)), params={"w": np.ones(128)},
+                   dim_sizes={"w": sizes["w"]["dim"]})
+    assert r.sm_scale == pytest.approx(192 ** -0.5)
+    with pytest.raises(ValueError, match=r"v_cache must have shape \[num_pages, page_size, "
+                                         r"num_kv_heads, head_dim_vo\] = \(10, 16, 2, 128\)"):
+        run_inputs(shape=MLA_SHAPE, q=dev((4, 8, 192)),
+                   kv_cache=(dev((10, 16, 2, 192)), dev((10, 16, 2, 192))))
+    with pytest.raises(ValueError, match=r"out must have shape \[total_q, num_qo_heads, "
+                                         r"head_dim_vo\] = \(4, 8, 128\)"):
+        run_inputs(shape=MLA_SHAPE, q=dev((4, 8, 192)), out=dev((4, 8, 192)),
+                   kv_cache=(dev((10, 16, 2, 192)), dev((10, 16, 2, 128))))
+    with pytest.raises(ValueError, match=r"param 'w' \(float\[dim\]\) must have shape \(128,\)"):
+        run_inputs(shape=MLA_SHAPE, specs=gate.params, q=dev((4, 8, 192)),
+                   kv_cache=(dev((10, 16, 2, 192)), dev((10, 16, 2, 128))),
+                   params={"w": np.ones(192)}, dim_sizes={"w": 128})
+
+
+def test_a_dim_table_read_at_both_head_dims_is_refused():
+    both = attnlang.parse("variant b\nparam w: float[dim]\nquery = q * w[dim]\n"
+                          "value = v * w[dim]\n")
+    assert ir.extent_sizes(both, 8, 2, 1, 128, 128)["w"]["dim"] == 128
+    with pytest.raises(ValueError, match=r"param 'w' \(float\[dim\]\) is read in the query, "
+                                         r"value stages, whose vectors are 192 \(query, key\) "
+                                         r"and 128 \(value, output\) long"):
+        ir.extent_sizes(both, 8, 2, 1, 192, 128)
 
 
 @pytest.mark.parametrize("specs,params,error,match", [
@@ -485,7 +532,20 @@ def test_module_round_trip(tmp_path):
     merge = loaded.cubins["merge"]
     assert merge.cache == "loaded" and merge.compile_seconds == 0.5
     assert (loaded.dtype, loaded.head_dim, loaded.arch) == ("bfloat16", 128, "sm_90a")
+    assert loaded.head_dim_vo == 128
     assert loaded.label("decode") == "softcap/decode bf16 d128 sm_90a"
+
+
+def test_module_round_trip_of_head_dims(tmp_path):
+    module = fake_module(head_dim=192, head_dim_vo=128, params=MIXED.params,
+                         param_dims={"w": 192})
+    module.save(tmp_path / "m")
+    loaded = load_compiled(tmp_path / "m")
+    assert (loaded.head_dim, loaded.head_dim_vo, dict(loaded.param_dims)) == (192, 128, {"w": 192})
+    assert loaded.label("merge") == "softcap/merge bf16 d192/128 sm_90a"
+    with pytest.raises(ValueError, match=r"bfloat16 head_dim 192/128 \(query-key/value\), but "
+                                         r"this BatchAttention asks for bfloat16 head_dim 128/128"):
+        attnlang.BatchAttention(loaded, 8, 2, 128)
 
 
 def test_module_round_trip_of_tables_and_old_manifests(tmp_path):

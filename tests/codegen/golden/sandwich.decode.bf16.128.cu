@@ -4,9 +4,12 @@
 //
 // Symbols:
 //   T           element type of q, k_cache, v_cache, out (__nv_bfloat16)
-//   kHeadDim    head dimension (128)
-//   VEC         elements per lane: one 16-byte access (8)
-//   TX          lanes per row = kHeadDim / VEC = blockDim.x (16)
+//   kHeadDim    head dimension of queries and keys (128)
+//   kHeadDimVO  head dimension of values and outputs (128)
+//   TX          lanes per row = blockDim.x (16); lane tx holds elements
+//               [tx VEC, tx VEC + VEC) of a query or key row and [tx VEC_VO, ...) of a value
+//               or output row, in whole 16-byte chunks
+//   VEC         query/key elements per lane (8); VEC_VO value/output elements (8)
 //   R           fused rows per work item = blockDim.y. Thread row ty is fused row
 //               row = row_start + ty = (query qi = row / group, member g = row % group),
 //               query head kv_head * group + g
@@ -28,7 +31,7 @@
 // neither loaded nor processed; tiles it shows entirely skip the per-key mask.
 //
 // Softmax state per row, in the exp2 domain: m (max logit * log2 e), d (sum of 2^(s - m)),
-// o[VEC] (sum of 2^(s - m) v' over this lane's elements). A row with no visible key so far
+// o[VEC_VO] (sum of 2^(s - m) v' over this lane's elements). A row with no visible key so far
 // has m = -inf, d = 0, o = 0 and is never rescaled (no -inf - -inf).
 //
 // Outputs. work_partial == -1: out = output(o / d) (0 before the output stage for a row
@@ -242,8 +245,10 @@ template <int VEC, int TX>
 __device__ __forceinline__ float group_sum(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, SumOp{}); }
 template <int VEC, int TX>
 __device__ __forceinline__ float group_mean(const float (&t)[VEC]) {
-  // VEC * TX = head_dim, a power of two: the reciprocal is exact.
-  return group_reduce<VEC, TX>(t, SumOp{}) * (1.0f / float(VEC * TX));
+  // A power-of-two length has an exact reciprocal; others (192) take a true division.
+  constexpr int kLen = VEC * TX;
+  const float sum = group_reduce<VEC, TX>(t, SumOp{});
+  return (kLen & (kLen - 1)) == 0 ? sum * (1.0f / float(kLen)) : sum / float(kLen);
 }
 template <int VEC, int TX>
 __device__ __forceinline__ float group_max(const float (&t)[VEC]) { return group_reduce<VEC, TX>(t, MaxOp{}); }
@@ -459,6 +464,39 @@ __device__ __forceinline__ void store8f(float* ptr, const float (&x)[8]) {
   reinterpret_cast<float4*>(ptr)[1] = make_float4(x[4], x[5], x[6], x[7]);
 }
 
+// A lane's row elements in whole 16-byte chunks (N = 8 n): chunk c of x is x[8 c .. 8 c + 7],
+// and the contiguous forms below move N elements at a 16-byte aligned address.
+template <int N>
+__device__ __forceinline__ float (&chunk8(float (&x)[N], const int c))[8] {
+  static_assert(N % 8 == 0, "whole 16-byte chunks");
+  return *reinterpret_cast<float(*)[8]>(x + 8 * c);
+}
+template <int N>
+__device__ __forceinline__ const float (&chunk8(const float (&x)[N], const int c))[8] {
+  static_assert(N % 8 == 0, "whole 16-byte chunks");
+  return *reinterpret_cast<const float(*)[8]>(x + 8 * c);
+}
+template <typename T, int N>
+__device__ __forceinline__ void load_n(const T* ptr, float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) load8<T>(ptr + 8 * c, chunk8(x, c));
+}
+template <typename T, int N>
+__device__ __forceinline__ void store_n(T* ptr, const float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) store8<T>(ptr + 8 * c, chunk8(x, c));
+}
+template <int N>
+__device__ __forceinline__ void load_nf(const float* ptr, float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) load8f(ptr + 8 * c, chunk8(x, c));
+}
+template <int N>
+__device__ __forceinline__ void store_nf(float* ptr, const float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) store8f(ptr + 8 * c, chunk8(x, c));
+}
+
 // ---------------------------------------------------------------------------- cp.async
 
 // Copy 16 bytes global -> shared, bypassing L1 (.cg). valid == false writes 16 zero bytes
@@ -576,7 +614,8 @@ __device__ __forceinline__ unsigned pack2(const float lo, const float hi) {
 
 
 namespace attnlang {
-constexpr int kHeadDim = 128;  // the head_dim of this instance; hooks may read it
+constexpr int kHeadDim = 128;  // queries' and keys' head dim; hooks may read it
+constexpr int kHeadDimVO = 128;  // values' and outputs' head dim
 }  // namespace attnlang
 
 // mask_tiles.cuh: interval arithmetic for variant::mask_tile (attnlang/codegen/mask_tiles.py).
@@ -797,13 +836,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 10 "examples/sandwich.attn"
   return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) / 128.0f) * 13.287712379549449f))))); return acc; }())));
 }
-#line 801 "sandwich_decode.cu"
+#line 840 "sandwich_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/sandwich.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 807 "sandwich_decode.cu"
+#line 846 "sandwich_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -813,7 +852,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/sandwich.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 817 "sandwich_decode.cu"
+#line 856 "sandwich_decode.cu"
 
 }  // namespace variant
 
@@ -822,6 +861,7 @@ namespace decode_kernel {
 
 using T = __nv_bfloat16;
 constexpr int VEC = 8;
+constexpr int VEC_VO = 8;
 constexpr int TX = 16;
 constexpr int kTileKeys = 32;
 constexpr int kStages = 3;
@@ -829,11 +869,12 @@ constexpr int kChunk = 4;
 constexpr int kMaxThreads = 256;  // __launch_bounds__: threads per CTA at most
 constexpr int kMinBlocks = 2;    // ... and CTAs per SM at least (caps registers)
 constexpr int kChunksPerTile = kTileKeys / kChunk;
-constexpr int kStageElems = kTileKeys * kHeadDim;  // elements of one K (or V) stage
+constexpr int kKStageElems = kTileKeys * kHeadDim;    // elements of one K stage
+constexpr int kVStageElems = kTileKeys * kHeadDimVO;  // ... and of one V stage
 
-static_assert(VEC * TX == kHeadDim, "a row is TX lanes of VEC elements");
-static_assert(VEC * sizeof(T) == 16, "one 16-byte access per lane");
-static_assert(VEC == 8, "the pack helpers convert 8 elements");
+static_assert(VEC * TX == kHeadDim && VEC_VO * TX == kHeadDimVO, "a row is TX lanes of VEC elements");
+static_assert(8 * sizeof(T) == 16 && VEC % 8 == 0 && VEC_VO % 8 == 0,
+              "whole 16-byte chunks of 8 elements per lane (the pack helpers convert 8)");
 static_assert(kTileKeys % kChunk == 0, "a tile is whole softmax chunks");
 static_assert(kStages >= 2, "the pipeline needs a stage in flight while one is read");
 static_assert((kChunk & (kChunk - 1)) == 0 && kChunk <= TX,
@@ -845,7 +886,7 @@ static_assert((kChunk & (kChunk - 1)) == 0 && kChunk <= TX,
 template <typename U> struct IsBf16 { static constexpr bool value = false; };
 template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
-__device__ __forceinline__ void load8_kv(const T* ptr, float (&x)[VEC]) {
+__device__ __forceinline__ void load8_kv(const T* ptr, float (&x)[8]) {
   if constexpr (IsBf16<T>::value) {
     const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
     const unsigned w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -857,6 +898,13 @@ __device__ __forceinline__ void load8_kv(const T* ptr, float (&x)[VEC]) {
   } else {
     load8<T>(ptr, x);
   }
+}
+
+// N = 8 n contiguous elements, chunk by chunk.
+template <int N>
+__device__ __forceinline__ void load_kv(const T* ptr, float (&x)[N]) {
+#pragma unroll
+  for (int c = 0; c < N / 8; ++c) load8_kv(ptr + 8 * c, chunk8(x, c));
 }
 
 // The kChunk dot products of a chunk, summed over the row's TX lanes with kChunk + log2(TX)
@@ -933,21 +981,36 @@ __device__ __forceinline__ WorkItem read_work_item(
   return w;
 }
 
-// Element offset of (logical KV position pos, kv_head, element dim0) in an NHD paged cache
-// [num_pages, page_size, num_kv_heads, kHeadDim]. 64-bit: caches exceed 2^31 elements.
-__device__ __forceinline__ long long paged_offset(const int* kv_indices, const WorkItem& w,
-                                                  const int pos, const FastDivmod& page_size,
-                                                  const int num_kv_heads, const int dim0) {
+// Row of (logical KV position pos, kv_head) in an NHD paged cache [num_pages, page_size,
+// num_kv_heads, D], counted in rows of D elements. 64-bit: caches exceed 2^31 elements.
+__device__ __forceinline__ long long paged_row(const int* kv_indices, const WorkItem& w,
+                                               const int pos, const FastDivmod& page_size,
+                                               const int num_kv_heads) {
   int page_in_list, slot;  // pos = page_in_list * page_size + slot
   page_size.divmod(pos, page_in_list, slot);
   const int page = kv_indices[w.page_begin + page_in_list];  // physical page holding pos
   const long long cache_token = static_cast<long long>(page) * page_size.divisor + slot;
-  return (cache_token * num_kv_heads + w.kv_head) * kHeadDim + dim0;
+  return cache_token * num_kv_heads + w.kv_head;
+}
+
+// cp.async of this lane's chunks of key `key` of a stage from cache row `row` (paged_row):
+// elements [tx VEC, + VEC) of K and [tx VEC_VO, + VEC_VO) of V; valid == false zero-fills.
+__device__ __forceinline__ void copy_key(T* k_stage, T* v_stage, const T* k_cache,
+                                         const T* v_cache, const long long row, const int key,
+                                         const bool valid, const int tx) {
+  const long long k_src = valid ? row * kHeadDim + tx * VEC : 0;
+  const long long v_src = valid ? row * kHeadDimVO + tx * VEC_VO : 0;
+  T* const k_dst = k_stage + key * kHeadDim + tx * VEC;  // row `key` of the stage
+  T* const v_dst = v_stage + key * kHeadDimVO + tx * VEC_VO;
+#pragma unroll
+  for (int c = 0; c < VEC / 8; ++c) cp_async_16(k_dst + 8 * c, k_cache + k_src + 8 * c, valid);
+#pragma unroll
+  for (int c = 0; c < VEC_VO / 8; ++c) cp_async_16(v_dst + 8 * c, v_cache + v_src + 8 * c, valid);
 }
 
 // Issue the cp.async copies of the KV tile starting at tile_start into one stage: TX-lane
-// group group_id copies keys group_id, group_id + num_groups, ..., lane tx the 16 bytes
-// [dim0, dim0 + VEC) of each, K and V alike. Positions >= kv_end are zero-filled.
+// group group_id copies keys group_id, group_id + num_groups, ..., lane tx its chunks of
+// each (copy_key). Positions >= kv_end are zero-filled.
 // launch_config gives a CTA at least kMinGroups groups, so a group copies at most
 // kMaxGroupKeys keys: their page-table reads are all issued before the first copy (one
 // global-memory latency per tile, not one per key). Fewer groups take the plain loop.
@@ -958,7 +1021,7 @@ __device__ __forceinline__ void load_tile(T* k_stage, T* v_stage, const T* k_cac
                                           const T* v_cache, const int* kv_indices,
                                           const WorkItem& w, const int tile_start,
                                           const int group_id, const int num_groups,
-                                          const int dim0, const FastDivmod& page_size,
+                                          const int tx, const FastDivmod& page_size,
                                           const int num_kv_heads) {
   if (num_groups >= kMinGroups) {
     int page[kMaxGroupKeys], slot[kMaxGroupKeys];
@@ -980,11 +1043,8 @@ __device__ __forceinline__ void load_tile(T* k_stage, T* v_stage, const T* k_cac
       if (key < kTileKeys) {
         const bool valid = tile_start + key < w.kv_end;
         const long long cache_token = static_cast<long long>(page[j]) * page_size.divisor + slot[j];
-        const long long src =
-            valid ? (cache_token * num_kv_heads + w.kv_head) * kHeadDim + dim0 : 0;
-        const int dst = key * kHeadDim + dim0;  // row `key` of the stage, this lane's 16 bytes
-        cp_async_16(k_stage + dst, k_cache + src, valid);
-        cp_async_16(v_stage + dst, v_cache + src, valid);
+        copy_key(k_stage, v_stage, k_cache, v_cache, cache_token * num_kv_heads + w.kv_head, key,
+                 valid, tx);
       }
     }
     return;
@@ -992,36 +1052,35 @@ __device__ __forceinline__ void load_tile(T* k_stage, T* v_stage, const T* k_cac
   for (int key = group_id; key < kTileKeys; key += num_groups) {
     const int pos = tile_start + key;
     const bool valid = pos < w.kv_end;
-    const long long src = valid ? paged_offset(kv_indices, w, pos, page_size, num_kv_heads, dim0) : 0;
-    const int dst = key * kHeadDim + dim0;  // row `key` of the stage, this lane's 16 bytes
-    cp_async_16(k_stage + dst, k_cache + src, valid);
-    cp_async_16(v_stage + dst, v_cache + src, valid);
+    const long long row = valid ? paged_row(kv_indices, w, pos, page_size, num_kv_heads) : 0;
+    copy_key(k_stage, v_stage, k_cache, v_cache, row, key, valid, tx);
   }
 }
 
 // Apply the key / value hooks to the keys this thread's group copied into the stage. Each
-// lane rewrites only the 16 bytes it copied itself, so after cp_async_wait no barrier is
+// lane rewrites only the chunks it copied itself, so after cp_async_wait no barrier is
 // needed before; the caller's __syncthreads publishes the result. Rows past kv_end stay 0.
 __device__ __forceinline__ void transform_tile(T* k_stage, T* v_stage, const WorkItem& w,
                                                const int tile_start, const int group_id,
-                                               const int num_groups, const int dim0,
+                                               const int num_groups, const int tx,
                                                const variant::Params& params, Index kv_ix) {
   for (int key = group_id; key < kTileKeys; key += num_groups) {
     const int pos = tile_start + key;
     if (pos >= w.kv_end) break;  // the group's later keys lie past the end too
     kv_ix.kv_pos = pos;
-    const int elem = key * kHeadDim + dim0;
     if constexpr (variant::kHasKey) {
+      T* const elems = k_stage + key * kHeadDim + tx * VEC;
       float x[VEC];
-      load8<T>(k_stage + elem, x);
-      variant::key<VEC, TX>(x, dim0, params, kv_ix);
-      store8<T>(k_stage + elem, x);
+      load_n<T>(elems, x);
+      variant::key<VEC, TX>(x, tx * VEC, params, kv_ix);
+      store_n<T>(elems, x);
     }
     if constexpr (variant::kHasValue) {
-      float x[VEC];
-      load8<T>(v_stage + elem, x);
-      variant::value<VEC, TX>(x, dim0, params, kv_ix);
-      store8<T>(v_stage + elem, x);
+      T* const elems = v_stage + key * kHeadDimVO + tx * VEC_VO;
+      float x[VEC_VO];
+      load_n<T>(elems, x);
+      variant::value<VEC_VO, TX>(x, tx * VEC_VO, params, kv_ix);
+      store_n<T>(elems, x);
     }
   }
 }
@@ -1053,9 +1112,9 @@ struct TileRange {
   }
 };
 
-// The online-softmax state of one row (this lane's VEC elements of o).
+// The online-softmax state of one row (this lane's VEC_VO elements of o).
 struct RowState {
-  float o[VEC];
+  float o[VEC_VO];
   float m;  // running max of the scores, log2 units (-inf: nothing visible yet)
   float d;  // running sum of 2^(score - m)
 };
@@ -1073,7 +1132,7 @@ __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[V
                                             const T* k_stage, const T* v_stage,
                                             const int tile_start, const int kv_end,
                                             const bool all_visible, const int tz,
-                                            const int TZ, const int dim0, const int perm,
+                                            const int TZ, const int tx, const int perm,
                                             const variant::Params& params, Index ix) {
   for (int chunk = tz; chunk < kChunksPerTile; chunk += TZ) {
     const int chunk_key = chunk * kChunk;  // first key of the chunk within the tile
@@ -1083,7 +1142,7 @@ __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[V
 #pragma unroll
     for (int c = 0; c < kChunk; ++c) {
       float k[VEC];
-      load8_kv(k_stage + (chunk_key + (c ^ perm)) * kHeadDim + dim0, k);
+      load_kv(k_stage + (chunk_key + (c ^ perm)) * kHeadDim + tx * VEC, k);
       float dot = 0.0f;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) dot = fmaf(q_row[i], k[i], dot);
@@ -1116,25 +1175,25 @@ __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[V
       if (m_new == neg_inf()) continue;  // still nothing visible: the state stays (0, 0, -inf)
       const float rescale = ex2_approx(st.m - m_new);  // st.m = -inf gives 0 (o, d are 0)
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) st.o[i] *= rescale;
+      for (int i = 0; i < VEC_VO; ++i) st.o[i] *= rescale;
       float p[kChunk];
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
         p[c] = ex2_approx(score[c] - m_new);  // 0 for invisible keys
-        float v[VEC];
-        load8_kv(v_stage + (chunk_key + (c ^ perm)) * kHeadDim + dim0, v);
+        float v[VEC_VO];
+        load_kv(v_stage + (chunk_key + (c ^ perm)) * kHeadDimVO + tx * VEC_VO, v);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(p[c], v[i], st.o[i]);
+        for (int i = 0; i < VEC_VO; ++i) st.o[i] = fmaf(p[c], v[i], st.o[i]);
       }
       st.d = fmaf(st.d, rescale, chunk_tree_sum(p));
       st.m = m_new;
     } else {
 #pragma unroll
       for (int c = 0; c < kChunk; ++c) {
-        float v[VEC];
-        load8_kv(v_stage + (chunk_key + (c ^ perm)) * kHeadDim + dim0, v);
+        float v[VEC_VO];
+        load_kv(v_stage + (chunk_key + (c ^ perm)) * kHeadDimVO + tx * VEC_VO, v);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(score[c], v[i], st.o[i]);
+        for (int i = 0; i < VEC_VO; ++i) st.o[i] = fmaf(score[c], v[i], st.o[i]);
       }
     }
   }
@@ -1145,12 +1204,12 @@ __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[V
 // full state; the final barrier frees the scratch for the next work item.
 __device__ __forceinline__ void merge_z_groups(RowState& st, float* scratch, const int ty,
                                                const int tz, const int R, const int TZ,
-                                               const int tx, const int dim0) {
-  float* merge_o = scratch;                       // [TZ][R][kHeadDim]
-  float* merge_m = merge_o + TZ * R * kHeadDim;   // [TZ][R]
-  float* merge_d = merge_m + TZ * R;              // [TZ][R]
-  const int slot = tz * R + ty;                   // this thread's (z-group, row) state
-  store8f(merge_o + slot * kHeadDim + dim0, st.o);
+                                               const int tx) {
+  float* merge_o = scratch;                        // [TZ][R][kHeadDimVO]
+  float* merge_m = merge_o + TZ * R * kHeadDimVO;  // [TZ][R]
+  float* merge_d = merge_m + TZ * R;               // [TZ][R]
+  const int slot = tz * R + ty;                    // this thread's (z-group, row) state
+  store_nf(merge_o + slot * kHeadDimVO + tx * VEC_VO, st.o);
   if (tx == 0) {
     merge_m[slot] = st.m;
     merge_d[slot] = st.d;
@@ -1162,7 +1221,7 @@ __device__ __forceinline__ void merge_z_groups(RowState& st, float* scratch, con
       for (int z = 0; z < TZ; ++z) m_all = fmaxf(m_all, merge_m[z * R + ty]);
     }
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) st.o[i] = 0.0f;
+    for (int i = 0; i < VEC_VO; ++i) st.o[i] = 0.0f;
     st.d = 0.0f;
     st.m = m_all;
     // Softmax off: a plain sum. On: weights 2^(m_z - m_all), skipped if nothing is visible.
@@ -1170,11 +1229,11 @@ __device__ __forceinline__ void merge_z_groups(RowState& st, float* scratch, con
       for (int z = 0; z < TZ; ++z) {
         const int other = z * R + ty;
         const float weight = variant::kSoftmax ? ex2_approx(merge_m[other] - m_all) : 1.0f;
-        float o_z[VEC];
-        load8f(merge_o + other * kHeadDim + dim0, o_z);
+        float o_z[VEC_VO];
+        load_nf(merge_o + other * kHeadDimVO + tx * VEC_VO, o_z);
         st.d = fmaf(weight, merge_d[other], st.d);
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] = fmaf(weight, o_z[i], st.o[i]);
+        for (int i = 0; i < VEC_VO; ++i) st.o[i] = fmaf(weight, o_z[i], st.o[i]);
       }
     }
   }
@@ -1219,15 +1278,16 @@ decode(const __nv_bfloat16* __restrict__ q,
   const int tz = threadIdx.z;
   const int R = blockDim.y;
   const int TZ = blockDim.z;
-  const int dim0 = tx * VEC;            // first element of the row this lane holds
+  const int dim0 = tx * VEC;            // first element of a query / key row this lane holds
+  const int dim0_vo = tx * VEC_VO;      // ... and of a value / output row
   const int group_id = ty + R * tz;     // this thread's TX-lane group
   const int num_groups = R * TZ;
   const int group = num_heads / num_kv_heads;  // query heads per KV head
   const FastDivmod page_divmod(page_size);     // pos -> (page in the list, slot), per key
   const int chunk_perm = tx / (TX / kChunk);   // slot order of a chunk's keys (attend_tile)
 
-  T* const k_smem = reinterpret_cast<T*>(smem);      // [kStages][kTileKeys][kHeadDim]
-  T* const v_smem = k_smem + kStages * kStageElems;  // [kStages][kTileKeys][kHeadDim]
+  T* const k_smem = reinterpret_cast<T*>(smem);       // [kStages][kTileKeys][kHeadDim]
+  T* const v_smem = k_smem + kStages * kKStageElems;  // [kStages][kTileKeys][kHeadDimVO]
 
   for (int item = work_indptr[blockIdx.x]; item < work_indptr[blockIdx.x + 1]; ++item) {
     const WorkItem w = read_work_item(item, work_request, work_kv_head, work_row_start,
@@ -1250,8 +1310,8 @@ decode(const __nv_bfloat16* __restrict__ q,
 #pragma unroll
     for (int stage = 0; stage < kStages - 1; ++stage) {
       if (next_load < num_tiles) {
-        load_tile(k_smem + stage * kStageElems, v_smem + stage * kStageElems, k_cache, v_cache,
-                  kv_indices, w, w.kv_start + next_load * kTileKeys, group_id, num_groups, dim0,
+        load_tile(k_smem + stage * kKStageElems, v_smem + stage * kVStageElems, k_cache, v_cache,
+                  kv_indices, w, w.kv_start + next_load * kTileKeys, group_id, num_groups, tx,
                   page_divmod, num_kv_heads);
         next_load = tiles.next_visible(next_load + 1, params);
       }
@@ -1269,7 +1329,7 @@ decode(const __nv_bfloat16* __restrict__ q,
                        num_heads, num_kv_heads, sm_scale};
     float q_row[VEC];
     if (row_active) {
-      load8<T>(q + (static_cast<long long>(token) * num_heads + head) * kHeadDim + dim0, q_row);
+      load_n<T>(q + (static_cast<long long>(token) * num_heads + head) * kHeadDim + dim0, q_row);
       if constexpr (variant::kHasQuery) variant::query<VEC, TX>(q_row, dim0, params, row_ix);
       // Fold sm_scale into q once (the logits hook then reads the dot as is), and log2 e for
       // the exp2 softmax when no logits hook comes between.
@@ -1284,7 +1344,7 @@ decode(const __nv_bfloat16* __restrict__ q,
 
     RowState st;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) st.o[i] = 0.0f;
+    for (int i = 0; i < VEC_VO; ++i) st.o[i] = 0.0f;
     st.m = neg_inf();
     st.d = 0.0f;
 
@@ -1292,11 +1352,11 @@ decode(const __nv_bfloat16* __restrict__ q,
     for (int n = 0; tile < num_tiles; ++n) {
       const int stage = n % kStages;
       const int tile_start = w.kv_start + tile * kTileKeys;  // logical position of key 0
-      T* const k_stage = k_smem + stage * kStageElems;
-      T* const v_stage = v_smem + stage * kStageElems;
+      T* const k_stage = k_smem + stage * kKStageElems;
+      T* const v_stage = v_smem + stage * kVStageElems;
       cp_async_wait<kStages - 2>();  // this thread's copies of `tile` have landed
       if constexpr (variant::kHasKey || variant::kHasValue) {
-        transform_tile(k_stage, v_stage, w, tile_start, group_id, num_groups, dim0, params, kv_ix);
+        transform_tile(k_stage, v_stage, w, tile_start, group_id, num_groups, tx, params, kv_ix);
       }
       // The whole (transformed) tile is visible, and every thread is done with the stage of
       // iteration n - 1.
@@ -1305,9 +1365,9 @@ decode(const __nv_bfloat16* __restrict__ q,
         // Refill that stage, (n - 1) % kStages, with the (n + kStages - 1)-th visible tile.
         if (next_load < num_tiles) {
           const int next_stage = (n + kStages - 1) % kStages;
-          load_tile(k_smem + next_stage * kStageElems, v_smem + next_stage * kStageElems,
+          load_tile(k_smem + next_stage * kKStageElems, v_smem + next_stage * kVStageElems,
                     k_cache, v_cache, kv_indices, w, w.kv_start + next_load * kTileKeys,
-                    group_id, num_groups, dim0, page_divmod, num_kv_heads);
+                    group_id, num_groups, tx, page_divmod, num_kv_heads);
           next_load = tiles.next_visible(next_load + 1, params);
         }
         cp_async_commit();
@@ -1315,13 +1375,13 @@ decode(const __nv_bfloat16* __restrict__ q,
       if (row_active) {
         const bool all_visible = tiles.mask_class(tile, params) == kTileAllVisible;
         attend_tile(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz, TZ,
-                    dim0, chunk_perm, params, row_ix);
+                    tx, chunk_perm, params, row_ix);
       }
       tile = tiles.next_visible(tile + 1, params);
     }
     cp_async_wait_all();
     __syncthreads();  // every thread is done with the tiles: shared memory is free
-    if (TZ > 1) merge_z_groups(st, reinterpret_cast<float*>(smem), ty, tz, R, TZ, tx, dim0);
+    if (TZ > 1) merge_z_groups(st, reinterpret_cast<float*>(smem), ty, tz, R, TZ, tx);
 
     if (tz == 0 && row_active) {
       float row_lse2 = neg_inf();  // log2-domain lse over the item's keys
@@ -1329,17 +1389,17 @@ decode(const __nv_bfloat16* __restrict__ q,
         const bool any_visible = st.d > 0.0f;
         const float inv_d = any_visible ? 1.0f / st.d : 0.0f;
 #pragma unroll
-        for (int i = 0; i < VEC; ++i) st.o[i] *= inv_d;
+        for (int i = 0; i < VEC_VO; ++i) st.o[i] *= inv_d;
         if (any_visible) row_lse2 = st.m + __log2f(st.d);
       }
       if (w.partial < 0) {
-        if constexpr (variant::kHasOutput) variant::output<VEC, TX>(st.o, dim0, params, row_ix);
+        if constexpr (variant::kHasOutput) variant::output<VEC_VO, TX>(st.o, dim0_vo, params, row_ix);
         const long long out_row = static_cast<long long>(token) * num_heads + head;  // [token, head]
-        store8<T>(out + out_row * kHeadDim + dim0, st.o);
+        store_n<T>(out + out_row * kHeadDimVO + dim0_vo, st.o);
         if (tx == 0 && lse != nullptr) lse[out_row] = row_lse2 * kLn2;
       } else {
         const long long partial_row = static_cast<long long>(w.partial) + ty;
-        store8f(partial_o + partial_row * kHeadDim + dim0, st.o);
+        store_nf(partial_o + partial_row * kHeadDimVO + dim0_vo, st.o);
         if (tx == 0) partial_lse[partial_row] = row_lse2;
       }
     }
