@@ -25,8 +25,8 @@ V stages plus the [R][head_dim] Q tile. Two instruction paths, chosen by the tar
   mma.sync m16n8k16 (`_PREFILL_SHAPE`, any sm_80+ target): per head_dim the most the
     registers hold without spills; O and S fragments take ROW_BLOCKS * (head_dim/2 +
     kv_tile/2) registers per lane.
-  wgmma (`_PREFILL_WGMMA_SHAPE`, sm_90a, head_dim 64 and 128): two warpgroups of 64 rows;
-    the accumulators take head_dim/2 + kv_tile/2 registers per lane and the operands come
+  wgmma (`_PREFILL_WGMMA_SHAPE`, sm_90a, head_dim 64, 128 and 192/128): two warpgroups of 64
+    rows; the accumulators take head_dim/2 + kv_tile/2 registers per lane and the operands come
     from shared memory, so one CTA per SM holds a deeper ring.
 The arch therefore enters `template_shape` and `launch_config`; None means the mma.sync path
 (what every sm_80+ target runs).
@@ -88,6 +88,7 @@ _PREFILL_SHAPE = {
 _PREFILL_WGMMA_SHAPE = {
     64: (64, 4, 8, 1, 1),
     128: (128, 3, 8, 1, 1),
+    192: (64, 4, 8, 1, 1),  # with head_dim_vo 128: 4 x 40 KB of K/V + a 48 KB Q tile
 }
 _WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100)
 
@@ -185,11 +186,9 @@ def dtype_ctype(dtype: str) -> str:
 
 def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | None = None) -> bool:
     """True when `kind` at head_dim compiled for `arch` takes the wgmma path (prefill on
-    sm_90a at head_dim 64 or 128, the same for values). ``uses_wgmma("prefill", 128,
-    "sm_90a")`` -> True."""
-    vo = head_dim if head_dim_vo is None else head_dim_vo
-    return (kind == "prefill" and arch in _WGMMA_ARCHS and vo == head_dim
-            and head_dim in _PREFILL_WGMMA_SHAPE)
+    sm_90a at head_dim 64, 128 and 192/128; the pair is checked by template_shape).
+    ``uses_wgmma("prefill", 128, "sm_90a")`` -> True."""
+    return kind == "prefill" and arch in _WGMMA_ARCHS and head_dim in _PREFILL_WGMMA_SHAPE
 
 
 def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None,

@@ -192,7 +192,7 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None 
     dtype: "float16" or "bfloat16"; head_dim: 64, 128 or 256, or 192 with head_dim_vo 128
     (`config.HEAD_DIM_PAIRS`; head_dim_vo None: head_dim); arch: the compile target, which
     picks the prefill path (None: mma.sync, which every sm_80+ target runs; "sm_90a": wgmma
-    at head_dim 64 and 128). The source's ``extern "C"``
+    at head_dim 64, 128 and 192/128). The source's ``extern "C"``
     entry is named after the kind; its arguments are INTERNALS.md's followed by
     ``hooks.kernel_params``. Raises ValueError for an unsupported kind, dtype or head_dim.
 

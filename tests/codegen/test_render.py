@@ -200,11 +200,13 @@ def test_value_head_dim_shapes():
     assert cfg.smem_bytes == 3 * 64 * (192 + 128) * 2 and cfg.threads >= 128
     merge = config.template_shape("merge", 192, "bfloat16", head_dim_vo=128)
     assert (merge.tx, merge.vec_vo) == (16, 8)  # merge rows are values only
-    for arch in (None, "sm_90a"):  # no wgmma for two head dims: mma.sync everywhere
-        prefill = config.template_shape("prefill", 192, "bfloat16", arch, 128)
-        assert not prefill.wgmma and (prefill.vec, prefill.vec_vo) == (24, 16)
-        cfg = config.launch_config("prefill", 192, 4, "bfloat16", arch, 128)
-        assert cfg.smem_bytes <= 114 * 1024  # two CTAs per SM
+    prefill = config.template_shape("prefill", 192, "bfloat16", None, 128)
+    assert not prefill.wgmma and (prefill.vec, prefill.vec_vo) == (24, 16)
+    cfg = config.launch_config("prefill", 192, 4, "bfloat16", None, 128)
+    assert cfg.smem_bytes <= 114 * 1024  # mma.sync: two CTAs per SM
+    assert config.template_shape("prefill", 192, "bfloat16", "sm_90a", 128).wgmma
+    cfg = config.launch_config("prefill", 192, 4, "bfloat16", "sm_90a", 128)
+    assert cfg.smem_bytes == 4 * 64 * (192 + 128) * 2 + 128 * 192 * 2  # 208 KB, one CTA
     assert config.check_head_dims(64) == (64, 64)
     for qk, vo in ((192, None), (128, 192), (96, 96), (True, 128)):
         with pytest.raises(ValueError, match="unsupported head_dim"):

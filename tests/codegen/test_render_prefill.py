@@ -115,9 +115,9 @@ _MATRIX = [(v, "bfloat16", 128, a) for v in CPU_HEAVY_IDS for a in ("sm_90a", "s
 _MATRIX += [(v, "bfloat16", 128, "sm_90") for v in ("kitchen_sink", "rope_norm_window")]
 _MATRIX += [("qk_norm", d, hd, a) for d in config.DTYPES for hd in config.HEAD_DIMS
             for a in ("sm_90a", "sm_80") if (d, hd) != ("bfloat16", 128)]
-# MLA's head dims (queries and keys 192, values 128): the mma.sync path on every target.
-# (Not qk_norm: a key hook with rope on 24 elements per lane beside the 128 O registers
-# spills ~330 bytes; benchmarks/NOTES.md, MLA.)
+# MLA's head dims (queries and keys 192, values 128), on both paths. (Not qk_norm: a key hook
+# with rope on 24 elements per lane beside the O registers spills, 330 bytes on mma.sync and
+# 28 on wgmma; benchmarks/NOTES.md, MLA.)
 _MATRIX += [(v, "bfloat16", "192/128", a) for v in ("causal", "kitchen_sink", "rope_norm_window")
             for a in ("sm_90a", "sm_80")]
 
