@@ -44,12 +44,14 @@ import torch
 
 import attnlang as al
 from attnlang import ir
+from attnlang.codegen.config import HEAD_DIM_PAIRS
 from attnlang.integrations.dense_layout import dense_plan, key_pages
 
 __all__ = ["register", "default_variant_source", "variant_for", "dense_inputs", "DenseInputs",
            "AttnlangUnsupported"]
 
-_SUPPORTED_HEAD_DIMS = (64, 128, 256)
+# (query/key, value) head dims the kernels run: 64, 128, 256, and MLA's 192 with 128 (DeepSeek).
+_SUPPORTED_HEAD_DIMS = HEAD_DIM_PAIRS
 # The extents and builtins whose values depend on how requests and heads are numbered.
 _NUMBERING_NAMES = {"head", "kv_head", "batch"}
 
@@ -200,8 +202,9 @@ class _Backend:
 
     def group(self, key: tuple, variant: ir.Variant, requests: int, total_q: int,
               kv_indices: int) -> _Group:
-        """The group of `key` = (id(variant), layer type, heads, kv_heads, head_dim, dtype,
-        device), its BatchAttention (re)built when a plan needs more than it holds."""
+        """The group of `key` = (id(variant), layer type, heads, kv_heads, head_dim,
+        head_dim_vo, dtype, device), its BatchAttention (re)built when a plan needs more than
+        it holds."""
         group = self.groups.get(key)
         attn = None if group is None else group.attn
         if attn is None or (requests > attn.bounds.max_batch_size
@@ -209,11 +212,12 @@ class _Backend:
                             or kv_indices > attn.max_kv_indices):
             # Capacities grow in powers of two, so a generation rebuilds a few times at most
             # (the kernels come from the compile cache).
-            _, _, heads, kv_heads, head_dim, dtype, device = key
+            _, _, heads, kv_heads, head_dim, head_dim_vo, dtype, device = key
             have = (attn.bounds.max_batch_size, attn.bounds.max_total_q,
                     attn.max_kv_indices) if attn is not None else (64, 1024, 1 << 16)
             attn = al.BatchAttention(
                 variant, heads, kv_heads, head_dim, dtype, page_size=1, device=device,
+                head_dim_vo=head_dim_vo,
                 max_batch_size=max(_pow2(requests), have[0]),
                 max_total_q=max(_pow2(total_q), have[1]),
                 max_kv_indices=max(_pow2(kv_indices), have[2]))
@@ -229,16 +233,18 @@ _BACKENDS: dict[str, _Backend] = {}
 
 
 def _check_call(module: Any, query: torch.Tensor, key: torch.Tensor, dropout: float,
-                kwargs: Mapping[str, Any]) -> None:
+                kwargs: Mapping[str, Any], value: torch.Tensor | None = None) -> None:
     if dropout and module.training:
         raise AttnlangUnsupported(
             f"attnlang has no attention dropout (dropout={dropout} in training): use "
             "attn_implementation='sdpa' for training with dropout, or set the config's "
             "attention_dropout to 0")
-    if query.shape[-1] not in _SUPPORTED_HEAD_DIMS:
+    dims = (query.shape[-1], query.shape[-1] if value is None else value.shape[-1])
+    if dims not in _SUPPORTED_HEAD_DIMS:
+        has = f"{dims[0]}" if dims[0] == dims[1] else f"{dims[0]} (values {dims[1]})"
         raise AttnlangUnsupported(
-            f"attnlang runs head_dim 64, 128 or 256; this model has {query.shape[-1]}: use "
-            "attn_implementation='sdpa' for it")
+            f"attnlang runs head_dim 64, 128 or 256, or 192 with values of 128 (MLA); this "
+            f"model has {has}: use attn_implementation='sdpa' for it")
     if query.dtype not in (torch.bfloat16, torch.float16):
         raise AttnlangUnsupported(
             f"attnlang's kernels run in bfloat16 or float16, the model is in {query.dtype}: "
@@ -297,13 +303,16 @@ def dense_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     mask [B, Sk] (or None) for BatchAttention, as `dense_layout` describes: by_head reads
     K/V in place, one unit per (b, kv head); otherwise K/V are copied token-major."""
     batch, heads, q_len, head_dim = query.shape
-    kv_heads, kv_len = key.shape[1], key.shape[2]
+    kv_heads, kv_len, dv = key.shape[1], key.shape[2], value.shape[-1]
     if by_head:
         if key.stride(-1) != 1 or key.stride(2) != head_dim or key.stride(0) % head_dim or \
                 key.stride(1) % head_dim:
             key = key.contiguous()
-        if value.stride() != key.stride():  # one page table serves both: same layout
-            value = torch.empty_strided(key.shape, key.stride(), dtype=value.dtype,
+        # One page table serves both: V laid out as K, token for token, in rows of its own
+        # head dim (MLA's values are 128 beside keys of 192).
+        v_strides = tuple(s // head_dim * dv for s in key.stride()[:3]) + (1,)
+        if value.stride() != v_strides:
+            value = torch.empty_strided(value.shape, v_strides, dtype=value.dtype,
                                         device=value.device).copy_(value)
         group = heads // kv_heads
         strides = tuple(key.stride())
@@ -315,8 +324,8 @@ def dense_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
              .reshape(batch * kv_heads * q_len, group, head_dim))
         # the last unit's first token, plus its kv_len tokens
         num_pages = ((batch - 1) * strides[0] + (kv_heads - 1) * strides[1]) // head_dim + kv_len
-        page = (num_pages, 1, 1, head_dim), (head_dim, head_dim, head_dim, 1)
-        k_cache, v_cache = key.as_strided(*page), value.as_strided(*page)
+        k_cache = key.as_strided((num_pages, 1, 1, head_dim), (head_dim, head_dim, head_dim, 1))
+        v_cache = value.as_strided((num_pages, 1, 1, dv), (dv, dv, dv, 1))
         geometry = (group, 1)
         layout_key = tuple(key.stride())
     else:
@@ -325,7 +334,7 @@ def dense_inputs(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
         q = query.transpose(1, 2).reshape(batch * q_len, heads, head_dim)
         k_cache = key.transpose(1, 2).reshape(batch * kv_len, 1, kv_heads, head_dim)
-        v_cache = value.transpose(1, 2).reshape(batch * kv_len, 1, kv_heads, head_dim)
+        v_cache = value.transpose(1, 2).reshape(batch * kv_len, 1, kv_heads, dv)
         geometry = (heads, kv_heads)
         layout_key = ()
     # The plan depends on the layout and the mask's contents: the mask object (kept alive
@@ -347,7 +356,7 @@ def attnlang_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
                        *, _backend: _Backend, **kwargs) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, Hq, Sq, D], key/value
     [B, Hkv, Sk, D] -> (out [B, Sq, Hq, D], None)."""
-    _check_call(module, query, key, dropout, kwargs)
+    _check_call(module, query, key, dropout, kwargs, value)
     layer = _backend.layer(module)
     if kwargs.get("cache") is not None:  # continuous batching: transformers' paged cache
         return _paged_attention(module, query, key, value, scaling, layer, _backend, kwargs)
@@ -358,7 +367,7 @@ def attnlang_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
     inputs = dense_inputs(query, key, value, mask, by_head=layer.by_head)
     # Variants by identity (hashing one walks its whole IR); _Layer keeps them alive.
     group_key = (id(layer.variant), layer.layer_type, inputs.heads, inputs.kv_heads, head_dim,
-                 query.dtype, query.device.index)
+                 value.shape[-1], query.dtype, query.device.index)
     group = _backend.groups.get(group_key)
     if group is None or group.plan_key != inputs.plan_key:
         plan = inputs.make_plan()
@@ -392,6 +401,13 @@ def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
         cu_k = cu_k[layer.layer_type]
     heads, head_dim = query.shape[1], query.shape[3]
     kv_heads = key.shape[1]
+    slots = (cache.key_cache[in_group].shape[-1], cache.value_cache[in_group].shape[-1])
+    if slots != (head_dim, value.shape[-1]):
+        raise AttnlangUnsupported(
+            f"transformers' paged cache holds keys and values of {slots[0]} and {slots[1]} "
+            f"per head, but this model's attention hands over {head_dim} and "
+            f"{value.shape[-1]} (MLA models cache latents): generate_batch() cannot run it; "
+            "use generate(), which attnlang runs")
     new_k, new_v = (x[0].transpose(0, 1) for x in (key, value))  # [Ntok, Hkv, D]
     in_place = cache.sliding_windows[layer_idx] == 1 and read.numel() > 0
     if in_place:
@@ -404,7 +420,7 @@ def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
                                         write_index=kwargs["write_index"])
         k_slots, v_slots = k_slots.contiguous(), v_slots.contiguous()
     group_key = (id(layer.variant), layer.layer_type + "|paged", heads, kv_heads, head_dim,
-                 query.dtype, query.device.index)
+                 value.shape[-1], query.dtype, query.device.index)
     # The index tensors are persistent buffers rewritten in place each step: their version
     # counters tell a new step from another layer of the same one.
     plan_key = (in_place, tuple((t.data_ptr(), tuple(t.shape), t._version)
@@ -422,9 +438,9 @@ def _paged_attention(module: Any, query: torch.Tensor, key: torch.Tensor,
         group.attn.plan(qo_indptr, kv_indptr, kv_indices, (kv_lens > 0).astype(np.int32))
         group.plan_key = plan_key
     q = query[0].transpose(0, 1).contiguous()  # [Ntok, Hq, D]
-    pages = (-1, 1, kv_heads, head_dim)
     sm_scale = scaling if scaling is not None else 1.0 / math.sqrt(head_dim)
-    out = group.attn.run(q, (k_slots.view(pages), v_slots.view(pages)), layer.params,
+    out = group.attn.run(q, (k_slots.view(-1, 1, kv_heads, head_dim),
+                             v_slots.view(-1, 1, kv_heads, v_slots.shape[-1])), layer.params,
                          sm_scale=float(sm_scale))
     return out.unsqueeze(0), None
 

@@ -511,7 +511,8 @@ class BatchAttention:
             # key[5]: describe_call's ((name, type, value), ...) of the scalar params
             self._hostpath, arrays=arrays, params=None if params is None else key[5],
             sm_scale=sm_scale, launches=self._plan_launches, device=self.device,
-            waited=self._waited, copy_stream=self._copy_stream, run_done=self._run_done.ptr)
+            waited=self._waited, copy_stream=self._copy_stream, run_done=self._run_done.ptr,
+            head_dim_vo=self.shape.head_dim_vo)
         if fast is not None:
             self._fast_runs[key] = fast
 

@@ -141,13 +141,14 @@ TORCH, CUPY = 0, 1  # hostpath.c's array kinds
 
 
 def fast_run(module: ModuleType, *, arrays, params, sm_scale, launches, device: int,
-             waited: set, copy_stream: int, run_done: int):
+             waited: set, copy_stream: int, run_done: int, head_dim_vo: int | None = None):
     """A FastRun for one validated call of the current plan, or None where the C path does
     not take such calls (arrays other than torch tensors / CuPy arrays, or a mix).
 
     arrays: the call's q, k_cache, v_cache, out (None when run() allocated it); params: None
     or ((name, type, value), ...) of the scalar params; launches: the plan's
-    (fn, gx, gy, gz, bx, by, bz, smem, PackedArgs), packed for this call.
+    (fn, gx, gy, gz, bx, by, bz, smem, PackedArgs), packed for this call; head_dim_vo: the
+    output's head dim (None: q's).
     """
     kinds = {_array_kind(x) for x in arrays if x is not None}
     if len(kinds) != 1 or None in kinds:
@@ -165,6 +166,14 @@ def fast_run(module: ModuleType, *, arrays, params, sm_scale, launches, device: 
     else:
         cupy = sys.modules["cupy"]
         stream_fn, empty_like = (lambda: cupy.cuda.get_current_stream().ptr), cupy.empty_like
+    if head_dim_vo is not None and head_dim_vo != arrays[0].shape[-1]:
+        # MLA: out is [total_q, heads, head_dim_vo], not like q (one more Python call).
+        if kind == TORCH:
+            def empty_like(q):
+                return torch.empty((*q.shape[:2], head_dim_vo), dtype=q.dtype, device=q.device)
+        else:
+            def empty_like(q):
+                return cupy.empty((*q.shape[:2], head_dim_vo), dtype=q.dtype)
     context = current_context()
     if not context:
         return None

@@ -90,6 +90,7 @@ def test_register_fills_both_interfaces():
 @pytest.mark.parametrize("problem, match", [
     (dict(dropout=0.1, training=True), "no attention dropout"),
     (dict(head_dim=96), "head_dim 64, 128 or 256"),
+    (dict(head_dim=192), r"192 with values of 128 \(MLA\); this model has 192: use"),
     (dict(dtype=torch.float32), "bfloat16 or float16"),
     (dict(s_aux=torch.zeros(4)), "attention sinks"),
 ])
@@ -104,6 +105,32 @@ def test_what_it_cannot_do_is_named(problem, match):
         alt._check_call(module, q, k, problem.get("dropout", 0.0), kwargs)
 
 
+def test_mla_head_dims_are_accepted():
+    q = torch.zeros(1, 4, 3, 192, dtype=torch.bfloat16)
+    module = _module(_gemma2_config())
+    # The head dims pass: what stops this CPU tensor is the next check, the device.
+    with pytest.raises(alt.AttnlangUnsupported, match="runs on CUDA GPUs"):
+        alt._check_call(module, q, q, 0.0, {}, torch.zeros(1, 4, 3, 128, dtype=torch.bfloat16))
+    with pytest.raises(alt.AttnlangUnsupported, match=r"has 192 \(values 64\)"):
+        alt._check_call(module, q, q, 0.0, {}, torch.zeros(1, 4, 3, 64, dtype=torch.bfloat16))
+
+
 def test_a_4d_mask_is_refused_with_the_alternative():
     with pytest.raises(alt.AttnlangUnsupported, match="write custom masks as an attnlang"):
         alt._key_mask(torch.ones(1, 1, 3, 3, dtype=torch.bool), 1, 3)
+
+
+def test_generate_batch_of_an_mla_model_is_refused_with_the_reason():
+    # transformers' paged cache for DeepSeek-V3 is sized for latents (64 per head), its
+    # attention hands over keys of 192 and values of 128: say so rather than fail deep inside.
+    cache = types.SimpleNamespace(layer_index_to_group_indices={0: (0, 0)},
+                                  key_cache=[torch.zeros(8, 4, 64)],
+                                  value_cache=[torch.zeros(8, 4, 64)])
+    kwargs = {"cache": cache, "read_index": [torch.arange(3)], "write_index": [torch.arange(3)],
+              "cu_seq_lens_q": torch.tensor([0, 3]), "cu_seq_lens_k": torch.tensor([0, 3])}
+    q = torch.zeros(1, 4, 3, 192, dtype=torch.bfloat16)
+    v = torch.zeros(1, 4, 3, 128, dtype=torch.bfloat16)
+    with pytest.raises(alt.AttnlangUnsupported, match=r"paged cache holds keys and values of "
+                                                      r"64 and 64.*generate_batch\(\) cannot"):
+        alt._paged_attention(types.SimpleNamespace(layer_idx=0), q, q, v, None, None, None,
+                             kwargs)

@@ -65,17 +65,20 @@ CASES = {  # (B, Hq, Hkv, Sq, Sk, left pads per row, right pads per row)
 @pytest.mark.parametrize("case", CASES, ids=list(CASES))
 @pytest.mark.parametrize("variant", ["causal", "window_softcap", "alibi_heads"])
 @pytest.mark.parametrize("strided", [False, True], ids=["dynamic", "static-cache"])
-def test_layout_equals_eager(case, variant, strided):
+@pytest.mark.parametrize("dv", [16, 8], ids=["d16", "v8"])  # v8: MLA-like values (8 beside 16)
+def test_layout_equals_eager(case, variant, strided, dv):
     b, hq, hkv, sq, sk, left, right = CASES[case]
     d = 16
-    g = torch.Generator().manual_seed(hash((case, variant, strided)) % 2**31)
+    g = torch.Generator().manual_seed(hash((case, variant, strided, dv)) % 2**31)
     query = torch.randn(b, hq, sq, d, generator=g, dtype=torch.float64)
     if strided:  # a StaticCache: [B, Hkv, max_len, D] buffers, the first Sk positions used
         big = torch.randn(b, hkv, sk + 5, d, generator=g, dtype=torch.float64)
-        key, value = big[:, :, :sk], torch.randn_like(big)[:, :, :sk]
+        key = big[:, :, :sk]
+        value = torch.randn(b, hkv, sk + 5, dv, generator=g, dtype=torch.float64)[:, :, :sk]
     else:
         key = torch.randn(b, hkv, sk, d, generator=g, dtype=torch.float64)
-        value = torch.randn_like(key)
+        # MLA: a split view of one projection, as DeepSeek's expand_kv hands it over
+        value = torch.randn(b, hkv, sk, dv + 8, generator=g, dtype=torch.float64)[..., 8:]
     pad = torch.ones(b, sk, dtype=torch.bool)
     for i, (lp, rp) in enumerate(zip(left, right, strict=True)):
         pad[i, :lp] = False

@@ -339,3 +339,23 @@ def test_value_head_dim_128_with_192(cp, error_log, variant_id, dtype, mode, spl
                   where=f"{mode} {variant_id} {SHORT[dtype]} d192/128",
                   kv_chunk_size=96 if split else None, expect_prefill=mode == "prefill",
                   prefill_min_rows=None if mode == "prefill" else 16)
+
+
+def test_value_head_dim_through_the_c_path(cp):
+    """Repeated run() calls of one signature take the C path (hostpath.c), which allocates
+    out itself: 128 wide beside queries of 192, equal to the first call's."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    qo, kv = np.array([1, 1, 1]), np.array([300, 40, 900])
+    batch = make_batch(rng, qo, kv, 8, 2, 192, 16, "bfloat16", head_dim_vo=128)
+    attn = attnlang.BatchAttention(attnlang.load(VARIANT_PATHS["mla"]), 8, 2, 192,
+                                   head_dim_vo=128, prefill_min_rows=16)
+    attn.plan(*batch.table)
+    q = torch.as_tensor(batch.q, device="cuda").to(torch.bfloat16)
+    kc = torch.as_tensor(batch.k_cache, device="cuda").to(torch.bfloat16)
+    vc = torch.as_tensor(batch.v_cache, device="cuda").to(torch.bfloat16)
+    first = attn.run(q, (kc, vc))
+    for _ in range(3):
+        again = attn.run(q, (kc, vc))
+        assert again.shape == (3, 8, 128) and torch.equal(again, first)
+    assert attn._fast_runs or attn._hostpath is None, "the C path was not taken"
