@@ -24,7 +24,7 @@ from attnlang.errors import Span
 __all__ = [
     "Type", "BOOL", "INT", "FLOAT", "Expr", "Const", "Var", "Param", "ParamIndex", "Cast",
     "Unary", "Binary", "Call", "Reduce", "Rope", "LoopVar", "Loop", "ParamSpec", "Variant",
-    "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX",
+    "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX", "PAIR_EXTENTS",
     "SCALAR_FUNCS", "REDUCTIONS", "LOOP_REDUCTIONS", "MAX_LOOP_COUNT", "MAX_TENSOR_ELEMENTS",
     "walk", "varies_with_dim", "extent_sizes",
 ]
@@ -78,7 +78,11 @@ STAGE_VARS = INDEX_VARS  # alias used by the checker's hints
 
 # Named tensor-param extents (their size is known at run time) and the one index variable
 # each may be indexed by. Other extents are fixed sizes (a literal or an int const).
-EXTENT_INDEX = {"heads": "head", "kv_heads": "kv_head", "batch": "batch", "dim": "dim"}
+EXTENT_INDEX = {"heads": "head", "kv_heads": "kv_head", "batch": "batch", "dim": "dim",
+                "q": "q_row", "kv": "kv_pos"}
+# A per-pair mask, `param allowed: bool[q, kv]`: each request's own [qo_len, kv_len] matrix,
+# given to plan() (tiles are skipped by its bits) and stored as packed bits.
+PAIR_EXTENTS = ("q", "kv")
 # Largest number of elements of a tensor param's fixed extents.
 MAX_TENSOR_ELEMENTS = 2**31 - 1
 
@@ -263,6 +267,11 @@ class ParamSpec:
     def is_tensor(self) -> bool:
         return bool(self.extents)
 
+    @property
+    def is_pair(self) -> bool:
+        """A per-pair mask (bool[q, kv]): one matrix per request, given to plan()."""
+        return self.extents == PAIR_EXTENTS
+
     def shape(self, sizes: dict[str, int]) -> tuple[int, ...]:
         """The tensor's shape, given the sizes of the named extents it uses."""
         return tuple(sizes[e] if isinstance(e, str) else e for e in self.extents)
@@ -374,6 +383,8 @@ def extent_sizes(v: Variant, num_heads: int, num_kv_heads: int, batch: int, head
                 readers.setdefault(node.name, set()).add(stage)
     sizes = {}
     for p in v.params:
+        if p.is_pair:  # its size is each request's own (qo_len, kv_len)
+            continue
         stages = readers.get(p.name, set())
         dim = vo if stages and stages <= set(_VO_STAGES) else head_dim
         both = stages & set(_QK_STAGES) and stages & set(_VO_STAGES)

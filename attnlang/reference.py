@@ -33,6 +33,7 @@ import numpy as np
 from attnlang import ir
 from attnlang.errors import did_you_mean
 from attnlang.interpret import Scope, stage_value
+from attnlang.runtime import pairmask
 
 __all__ = ["attention", "attention_paged", "PRECISIONS"]
 
@@ -116,6 +117,8 @@ def _check_params(v: ir.Variant, params, sizes: dict[str, dict[str, int]]) -> di
             )
     out: dict[str, np.ndarray] = {}
     for p in v.params:
+        if p.is_pair:  # per request: attention() splits it (pairmask.normalize)
+            continue
         wanted = {ir.INT: "integer", ir.FLOAT: "real", ir.BOOL: "bool"}[p.type]
         kinds = {ir.INT: "iu", ir.FLOAT: "fiu", ir.BOOL: "b"}[p.type]
         dtype = {ir.INT: np.int64, ir.FLOAT: np.float64, ir.BOOL: np.bool_}[p.type]
@@ -147,6 +150,18 @@ def _check_params(v: ir.Variant, params, sizes: dict[str, dict[str, int]]) -> di
                 f"params[{p.name!r}]: {_describe(p)} is a scalar, got shape {arr.shape}"
             )
         out[p.name] = arr.astype(dtype, copy=False)
+    return out
+
+
+def _pair_params(v: ir.Variant, params, qo_lens, kv_lens) -> dict[str, list[np.ndarray]]:
+    """Each per-pair mask (bool[q, kv]) as one [qo_len, kv_len] matrix per request."""
+    out = {}
+    for p in v.params:
+        if p.is_pair:
+            if params is None or p.name not in params:
+                raise ValueError(f"params: missing {p.name!r} (bool[q, kv]: one [qo_len, "
+                                 f"kv_len] bool matrix per request)")
+            out[p.name] = pairmask.normalize(params[p.name], qo_lens, kv_lens, p.name)
     return out
 
 
@@ -235,6 +250,7 @@ def attention(
     qo_indptr, kv_indptr = _request_indptrs(qo_indptr, kv_indptr, total_q, total_kv)
     batch = len(qo_indptr) - 1
     p = _check_params(v, params, ir.extent_sizes(v, hq, hkv, batch, d, vv.shape[2]))
+    pairs = _pair_params(v, params, np.diff(qo_indptr), np.diff(kv_indptr))
     scale = 1.0 / math.sqrt(d) if sm_scale is None else _scalar(sm_scale, "sm_scale")
 
     o = np.zeros((total_q, hq, vv.shape[2]), fdtype)
@@ -243,7 +259,8 @@ def attention(
         for b in range(batch):
             qs, qe = int(qo_indptr[b]), int(qo_indptr[b + 1])
             ks, ke = int(kv_indptr[b]), int(kv_indptr[b + 1])
-            o_b, lse_b = _request(v, b, q[qs:qe], k[ks:ke], vv[ks:ke], p, scale, fdtype)
+            p_b = {**p, **{name: masks[b] for name, masks in pairs.items()}}
+            o_b, lse_b = _request(v, b, q[qs:qe], k[ks:ke], vv[ks:ke], p_b, scale, fdtype)
             o[qs:qe] = o_b
             if lse is not None:
                 lse[qs:qe] = lse_b

@@ -255,6 +255,11 @@ PAPERS: dict[str, Paper] = {
                                            & (P["key_image"][b][kp] == P["text_image"][b][qr])),
     ),
     "natten_tiled": Paper(mask=lambda qp, kp, b, P: _natten(qp, kp)),
+    "spec_tree": Paper(  # a random matrix per request: any per-pair mask
+        params=lambda rng, dims: {"allowed": [rng.random((q, k)) < 0.6 for q, k in
+                                              zip(dims.qo_lens, dims.kv_lens, strict=True)]},
+        row_mask=lambda qp, qr, kp, b, P: P["allowed"][b][qr, kp],
+    ),
     "sandwich": Paper(  # sum_i cos((m - n) w_i) = <p_m, p_n> of sinusoidal embeddings
         params=lambda rng, dims: {"scale": 0.7},
         logits=lambda s, qp, kp, b, h, n, P: s + P["scale"] * np.cos(

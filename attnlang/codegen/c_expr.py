@@ -289,7 +289,11 @@ def _loop_c(e: ir.Loop, body: str) -> str:
 
 def table_c(e: ir.ParamIndex, index_c) -> str:
     """C text of a table read; index_c renders one index expression. A named extent's index
-    is the kernel's own variable, in range by construction (`Known`: no bound test)."""
+    is the kernel's own variable, in range by construction (`Known`: no bound test). A
+    per-pair mask reads one bit of the request's packed matrix (common.cuh, pair_bit)."""
+    if e.extents == ir.PAIR_EXTENTS:
+        row, col = (index_c(i) for i in e.indices)
+        return f"attnlang::pair_bit(p.{member_name(e.name)}, ix, {row}, {col})"
     axes = ", ".join(f"attnlang::Known{{{index_c(i)}}}, {_EXTENT_C[n]}" if isinstance(n, str)
                      else f"{index_c(i)}, {n}"
                      for i, n in zip(e.indices, e.extents, strict=True))

@@ -227,6 +227,13 @@ class _Checker:
                            "the kernels stride by the other extents only: declare [batch, ...]")
                 return None
             out.append(ext)
+        if any(e in ir.PAIR_EXTENTS for e in out) and (
+                tuple(out) != ir.PAIR_EXTENTS or d.type_name != "bool"):
+            self.error(AttnDeclarationError, f"'{d.name}' uses extent q or kv: a per-pair "
+                       "mask is declared exactly bool[q, kv]", d.extent_spans[0],
+                       f"write 'param {d.name}: bool[q, kv]' and read it as "
+                       f"{d.name}[q_row, kv_pos]")
+            return None
         fixed = math.prod(e for e in out if isinstance(e, int))
         if fixed > ir.MAX_TENSOR_ELEMENTS:
             self.error(AttnDeclarationError, f"tensor param '{d.name}' has {fixed} elements per "
@@ -445,10 +452,11 @@ class _Checker:
             if isinstance(extent, str):
                 want = ir.EXTENT_INDEX[extent]
                 if not (isinstance(node, ast.Name) and node.id == want):
+                    hint = (f"a per-pair mask is read at the pair itself: {n.name}[q_row, kv_pos]"
+                            if p.is_pair else f"write {want} there; a computed index needs a "
+                            "fixed extent, such as [32] or an int const")
                     self.fail(AttnTypeError, f"axis {axis} of '{n.name}' has extent {extent} and "
-                              f"is indexed by '{want}'", node.span,
-                              f"write {want} there; a computed index needs a fixed extent, "
-                              "such as [32] or an int const")
+                              f"is indexed by '{want}'", node.span, hint)
             elif e.type is not INT:
                 self.fail(AttnTypeError, f"an index of '{n.name}' must be int, found {e.type}",
                           node.span, "convert a float with int(x) (toward zero) or "

@@ -282,7 +282,9 @@ def lower_mask_tile(mask: ir.Expr | None, literal, param, table) -> str:
     are the variables q_lo, q_hi, kv_lo, kv_hi, given `p` (Params) and `ix` (Index).
 
     The lowering's own rules render the leaves: `literal(const)` an ir.Const, `param(name)`
-    a scalar param, `table(e)` a tensor read whose indices are all `batch` / `kv_head`.
+    a scalar param (or a per-pair mask's buffer), `table(e)` a tensor read whose indices
+    are all `batch` / `kv_head`. A per-pair mask's class over the tile comes from the block
+    summary plan() stored beside its bits (common.cuh, pair_tile).
     """
     if mask is None:
         return "2"
@@ -315,6 +317,10 @@ class _CppIntervals:
         if isinstance(e, ir.Call) and e.fn == "where":
             c, a, b = (self.tri(x) for x in e.args)
             return f"tri_where({c}, {a}, {b})"
+        if isinstance(e, ir.ParamIndex) and e.extents == ir.PAIR_EXTENTS:
+            # The checker made its indices (q_row, kv_pos): the box in rows of the request.
+            return (f"attnlang::pair_tile({self.param(e.name)}, ix, q_lo - (ix.kv_len - "
+                    f"ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi)")
         return "1"
 
     def iv(self, e: ir.Expr) -> str:

@@ -117,7 +117,8 @@ class AttentionOp:
         self.handle = next(_HANDLES)
         self.head_dim = attn.shape.head_dim
         self.softmax = bool(attn.module.softmax)
-        self.tensor_names = tuple(p.name for p in specs if p.is_tensor)
+        # Per-pair masks (bool[q, kv]) went to plan(): the operator passes the rest.
+        self.tensor_names = tuple(p.name for p in specs if p.is_tensor and not p.is_pair)
         scalars = [p for p in specs if not p.is_tensor]
         self.scalar_names = tuple(p.name for p in scalars)
         self.scalar_is_int = tuple(str(p.type) == "int" for p in scalars)

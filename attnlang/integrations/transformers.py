@@ -196,6 +196,12 @@ class _Backend:
         layer = self.layers.get(id(module))
         if layer is None or layer.module is not module:
             variant, params = variant_for(self.variant, self.params, module)
+            pairs = [p.name for p in variant.params if p.is_pair]
+            if pairs:
+                raise AttnlangUnsupported(
+                    f"variant {variant.name} has a per-pair mask ({pairs[0]}: bool[q, kv]), "
+                    "which goes to plan(): transformers' attention call cannot pass it; write "
+                    "the rule as a mask expression, or run the variant with BatchAttention")
             layer = self.layers[id(module)] = _Layer(
                 module, variant, params, _layer_type(module), not _reads_numbering(variant))
         return layer

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from attnlang import ir
-from attnlang.runtime import hostpath, planner
+from attnlang.runtime import hostpath, pairmask, planner
 from attnlang.runtime.arrays import (
     _READERS,
     TensorInfo,
@@ -154,12 +154,14 @@ class BatchAttention:
                  max_partial_rows: int | None = None, max_merge_rows: int | None = None,
                  arch: str | None = None, num_ctas: int | None = None,
                  num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
-                 device: int | None = None, head_dim_vo: int | None = None):
+                 device: int | None = None, head_dim_vo: int | None = None,
+                 max_pair_mask_bytes: int = 64 << 20):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                     head_dim_vo)
         for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
-                            ("max_kv_indices", max_kv_indices)):
+                            ("max_kv_indices", max_kv_indices),
+                            ("max_pair_mask_bytes", max_pair_mask_bytes)):
             check_count(name, value)
         for name, value in (("max_work_items", max_work_items),
                             ("max_partial_rows", max_partial_rows),
@@ -252,6 +254,16 @@ class BatchAttention:
         # The merge kernel loops over rows, so a grid of a few CTAs per SM covers any count.
         merge_ctas = -(-self.bounds.max_merge_rows // max(1, self._merge_cfg.rows_per_tile))
         self._merge_grid = max(1, min(merge_ctas, 8 * self._num_sms()))
+        # Per-pair masks (bool[q, kv]): one fixed buffer each, rewritten by every plan(), so
+        # run()'s pointer to it never moves (CUDA graphs).
+        self.max_pair_mask_bytes = int(max_pair_mask_bytes)
+        pair_names = [p.name for p in self.module.params if p.is_pair]
+        with cupy.cuda.Device(self.device):
+            self._pair_buffers = {name: cupy.zeros(self.max_pair_mask_bytes, dtype=np.uint8)
+                                  for name in pair_names}
+        self._pair_values = {name: np.uint64(buf.data.ptr)
+                             for name, buf in self._pair_buffers.items()}
+        self._pair_host: dict[str, np.ndarray] = {}  # the last plan's packed masks
         with cupy.cuda.Device(self.device):
             self._ints = cupy.zeros(self._layout.total, dtype=np.int32)
             rows = self.bounds.max_partial_rows
@@ -336,14 +348,18 @@ class BatchAttention:
     # -- plan
 
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
-             *, kv_chunk_size: int | None = None) -> BatchPlan:
+             *, kv_chunk_size: int | None = None,
+             params: Mapping[str, Any] | None = None) -> BatchPlan:
         """Schedule a batch and upload its plan and page table (one copy, current stream).
 
         qo_indptr [batch+1]: request b owns queries qo_indptr[b]:qo_indptr[b+1] of q.
         kv_indptr [batch+1]: it owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]].
         kv_last_page_len [batch]: valid tokens in its last page (1..page_size; 0 if none).
         Host int arrays (device arrays are copied to the host once). kv_chunk_size: force
-        the KV split bound (tests); None = automatic. On error the previous plan stays.
+        the KV split bound (tests); None = automatic. params: the variant's per-pair masks
+        (`bool[q, kv]`), each a list of one [qo_len, kv_len] bool array per request or one
+        flat array of them all (`pairmask.normalize`): plan() packs them into bits with a
+        block summary the kernels skip tiles by. On error the previous plan stays.
         Returns the BatchPlan (its .decode and .prefill work lists).
         """
         import cupy
@@ -353,6 +369,7 @@ class BatchAttention:
         if inputs.kv_indices.shape[0] > self.max_kv_indices:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
                                 self.max_kv_indices, "page-table entries (kv_indices)")
+        packed_pairs = self._pack_pair_masks(params, inputs)
         plan = plan_mixed(
             inputs.qo_lens, inputs.kv_lens, num_kv_heads=self.shape.num_kv_heads,
             group_size=self.shape.group_size, **self._tilings,
@@ -375,6 +392,11 @@ class BatchAttention:
                 cupy.cuda.runtime.deviceSynchronize()
             cupy.cuda.runtime.memcpyAsync(self._ints.data.ptr, self._host.ctypes.data, 4 * n,
                                           cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            for name, packed in packed_pairs.items():
+                cupy.cuda.runtime.memcpyAsync(self._pair_buffers[name].data.ptr,
+                                              packed.ctypes.data, packed.nbytes,
+                                              cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            self._pair_host = packed_pairs  # alive until the next plan's synchronize
             self._copy_done.record(stream)
         self._copy_stream = stream.ptr
         self._ran = self._ran_on_copy_stream = False
@@ -547,13 +569,42 @@ class BatchAttention:
 
     # -- internals
 
+    def _pack_pair_masks(self, params: Mapping[str, Any] | None,
+                         inputs: PlanInputs) -> dict[str, np.ndarray]:
+        """The per-pair masks of plan()'s params, packed (pairmask.pack); raises for a
+        missing one, a param plan() does not take, or a mask past max_pair_mask_bytes."""
+        params = {} if params is None else params
+        if not isinstance(params, Mapping):
+            raise TypeError(f"plan()'s params must be a dict, got {type(params).__name__}")
+        pairs = {p.name: p for p in self.module.params if p.is_pair}
+        for name in params:
+            if name not in pairs:
+                raise ValueError(
+                    f"plan() takes only per-pair masks (bool[q, kv]) as params; pass {name!r} "
+                    f"to run()" + ("" if pairs else
+                                   f" (variant {self.module.name} has no per-pair mask)"))
+        packed = {}
+        for name in pairs:
+            if name not in params:
+                raise ValueError(f"missing param {name!r} (bool[q, kv]): pass "
+                                 f"params={{{name!r}: ...}} to plan(), one [qo_len, kv_len] "
+                                 "bool matrix per request")
+            masks = pairmask.normalize(params[name], inputs.qo_lens, inputs.kv_lens, name)
+            packed[name] = pairmask.pack(masks)
+            if packed[name].nbytes > self.max_pair_mask_bytes:
+                raise CapacityError("max_pair_mask_bytes", packed[name].nbytes,
+                                    self.max_pair_mask_bytes,
+                                    f"bytes of the packed per-pair mask {name!r}")
+        return packed
+
     def _check_call(self, q, kv_cache, params, out, lse, sm_scale) -> _CheckedCall:
         """Validate one run() call in full (validate_run_inputs) and keep what later calls
         with the same signature reuse."""
         args = validate_run_inputs(self.shape, self.module.params, self._inputs, q, kv_cache,
                                    params, out=out, lse=lse, sm_scale=sm_scale,
                                    variant_name=self.module.name,
-                                   dim_sizes=self.module.param_dims)
+                                   dim_sizes=self.module.param_dims,
+                                   plan_params=self._pair_values)
         if args.device != self.device:
             raise ValueError(f"q is on device {args.device} but this BatchAttention "
                              f"lives on device {self.device}")

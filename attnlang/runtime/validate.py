@@ -187,7 +187,8 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
                         inputs: PlanInputs, q: Any, kv_cache: Any, params: Any = None, *,
                         out: Any = None, lse: Any = None, sm_scale: Any = None,
                         variant_name: str = "variant",
-                        dim_sizes: Mapping[str, int] | None = None) -> RunInputs:
+                        dim_sizes: Mapping[str, int] | None = None,
+                        plan_params: Mapping[str, Any] | None = None) -> RunInputs:
     """Check everything run() receives against the geometry and the planned batch (`inputs`,
     from validate_plan_inputs); raise ValueError/TypeError naming the argument. Pure: arrays
     are only described (TensorInfo instances may be passed in place of arrays), nothing
@@ -197,7 +198,8 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
     [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo); out
     [total_q, num_qo_heads, head_dim_vo]; lse [total_q, num_qo_heads] float32. All
     contiguous, on one device, q/k/v/out of the BatchAttention's dtype. dim_sizes: the length
-    of each tensor param's `dim` axis (`ir.extent_sizes`; None: head_dim).
+    of each tensor param's `dim` axis (`ir.extent_sizes`; None: head_dim). plan_params: the
+    kernel arguments of the per-pair masks plan() took (their device buffers).
     """
     total_q, hq, hkv, d = inputs.total_q, shape.num_qo_heads, shape.num_kv_heads, shape.head_dim
     qi = _device_tensor(q, "q")
@@ -250,13 +252,15 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
         if not math.isfinite(scale):
             raise ValueError(f"sm_scale must be finite, got {scale}")
     resolved = resolve_params(specs, params, shape=shape, batch_size=inputs.batch_size,
-                              device=qi.device, variant_name=variant_name, dim_sizes=dim_sizes)
+                              device=qi.device, variant_name=variant_name, dim_sizes=dim_sizes,
+                              plan_params=plan_params)
     return RunInputs(qi, ki, vi, outi, lsei, resolved, scale, int(qi.device))
 
 
 def resolve_params(specs: Sequence[ir.ParamSpec], params: Any, *, shape: AttentionShape,
                    batch_size: int, device: int | None = 0, variant_name: str = "variant",
                    dim_sizes: Mapping[str, int] | None = None,
+                   plan_params: Mapping[str, Any] | None = None,
                    ) -> tuple[tuple[ir.ParamSpec, Any], ...]:
     """Match run()'s `params` dict to the variant's declared params (declaration order).
 
@@ -287,6 +291,15 @@ def resolve_params(specs: Sequence[ir.ParamSpec], params: Any, *, shape: Attenti
     resolved = []
     for spec in specs:
         decl = _describe_spec(spec)
+        if spec.is_pair:  # plan() took it: its kernel argument is the plan's buffer
+            if spec.name in params:
+                raise ValueError(f"param {spec.name!r} ({decl}) is a per-pair mask: pass it to "
+                                 "plan(params=...), which packs it and skips tiles by its bits")
+            if plan_params is None or spec.name not in plan_params:
+                raise ValueError(f"param {spec.name!r} ({decl}) comes from plan(): call "
+                                 f"plan(..., params={{{spec.name!r}: ...}}) first")
+            resolved.append((spec, plan_params[spec.name]))
+            continue
         if spec.name not in params or params[spec.name] is None:
             if spec.is_tensor or spec.default is None:
                 raise ValueError(

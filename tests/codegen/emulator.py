@@ -32,6 +32,7 @@ from attnlang import ir, reference
 from attnlang.codegen.config import launch_config
 from attnlang.codegen.lower import lower
 from attnlang.codegen.render import render
+from attnlang.runtime import pairmask
 from attnlang.runtime.planner import plan_batch
 
 SHIM = Path(__file__).with_name("emulator_shim.h")
@@ -197,10 +198,16 @@ def _from_bits(bits: np.ndarray, dtype: str) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
 
 
-def _params(v: ir.Variant, rng, sizes: dict[str, dict[str, int]], kv_lens, given) -> dict:
-    """Random run-time params; sizes: each param's named extents (`ir.extent_sizes`)."""
+def _params(v: ir.Variant, rng, sizes: dict[str, dict[str, int]], kv_lens, given,
+            qo_lens=()) -> dict:
+    """Random run-time params; sizes: each param's named extents (`ir.extent_sizes`); a
+    per-pair mask gets random 16 x 32 blocks, all true, all false or mixed (every tile class)."""
     params = {}
     for p in v.params:
+        if p.is_pair:
+            params[p.name] = [random_pair_mask(rng, int(q), int(k))
+                              for q, k in zip(qo_lens, kv_lens, strict=True)]
+            continue
         if not p.is_tensor:
             params[p.name] = p.default if p.default is not None else (
                 float(rng.uniform(0.5, 2.0)) if p.type is ir.FLOAT else int(rng.integers(0, 5)))
@@ -231,13 +238,24 @@ class Result:
 _TENSOR_DTYPE = {ir.FLOAT: np.float32, ir.INT: np.int32, ir.BOOL: np.uint8}
 
 
-def kernel_param_values(hooks, v: ir.Variant, params: dict, scalars: dict) -> dict:
+def random_pair_mask(rng, q: int, k: int) -> np.ndarray:
+    """A [q, k] bool matrix of 16 x 32 blocks, each all true, all false or random."""
+    kind = rng.integers(0, 3, (-(-q // 16), -(-k // 32)))
+    kind = np.repeat(np.repeat(kind, 16, 0), 32, 1)[:q, :k]
+    return np.where(kind == 2, rng.random((q, k)) < 0.5, kind == 1)
+
+
+def kernel_param_values(hooks, v: ir.Variant, params: dict, scalars: dict,
+                        qo_lens=(), kv_lens=()) -> dict:
     """Split the variant's run-time params into kernel arguments: scalars go into `scalars`
     (by kernel parameter name); tensor params are returned as float32 / int32 / uint8 (bool)
-    arrays."""
+    arrays, a per-pair mask as plan()'s packed buffer."""
     tensors = {}
     for kp, spec in zip(hooks.kernel_params, v.params, strict=True):
-        if spec.is_tensor:
+        if spec.is_pair:
+            masks = pairmask.normalize(params[spec.name], qo_lens, kv_lens, spec.name)
+            tensors[kp.name] = pairmask.pack(masks)
+        elif spec.is_tensor:
             tensors[kp.name] = np.asarray(
                 params[spec.name], _TENSOR_DTYPE[spec.type])
         else:
@@ -274,7 +292,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     k_bits, k = _to_bits(rng.standard_normal(cache_shape), dtype)
     v_bits, vv = _to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
     sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
-    params = _params(v, rng, sizes, kv_lens, params)
+    params = _params(v, rng, sizes, kv_lens, params, qo_lens)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)
@@ -299,7 +317,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     }
     scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
                "sm_scale": scale}
-    tensor_params = kernel_param_values(hooks, v, params, scalars)
+    tensor_params = kernel_param_values(hooks, v, params, scalars, qo_lens, kv_lens)
     arrays.update(tensor_params)
     bin_dir = workdir / "bin"
     res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir, dv), workdir / "run", arrays,

@@ -107,7 +107,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     k_bits, k = base._to_bits(rng.standard_normal(cache_shape), dtype)
     v_bits, vv = base._to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
     sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
-    params = base._params(v, rng, sizes, kv_lens, None)
+    params = base._params(v, rng, sizes, kv_lens, None, qo_lens)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)
@@ -129,7 +129,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     }
     scalars = {"num_heads": num_heads, "num_kv_heads": num_kv_heads, "page_size": page_size,
                "sm_scale": scale}
-    tensor_params = base.kernel_param_values(hooks, v, params, scalars)
+    tensor_params = base.kernel_param_values(hooks, v, params, scalars, qo_lens, kv_lens)
     bin_dir = workdir / "bin"
     for kind, sub in (("decode", plan.decode), ("prefill", plan.prefill)):
         if sub.num_work_items == 0:

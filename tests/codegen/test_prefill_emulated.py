@@ -47,6 +47,10 @@ CASES = {
     # MLA's head dims (queries and keys 192, values 128): three K chunks and two V chunks per
     # lane, V and the output staging in rows of their own length, value and output hooks on
     # the 128, split rows.
+    # A per-pair mask of random 16 x 32 blocks (all true, all false, mixed): the warps' 32-key
+    # sub-tiles are skipped, unmasked or masked per element by its block summary.
+    "spec-tree": ("examples/spec_tree.attn",
+                  dict(qo_lens=(70, 1), kv_lens=(200, 50), kv_chunk_size=96)),
     "kitchen-sink-192-128": ("tests/variants/kitchen_sink.attn",
                              dict(head_dim=192, head_dim_vo=128, qo_lens=(40, 1),
                                   kv_lens=(90, 33), kv_chunk_size=48)),

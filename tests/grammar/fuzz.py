@@ -81,8 +81,11 @@ def _expr(rng: random.Random, depth: int, stage: str | None = None) -> str:
         if fn == "rope" and rng.random() < 0.5:
             args += ", theta=" + rng.choice(EDGE_NUMBERS[:8])
         return f"{fn}({args})"
-    if pick < 0.93:
+    if pick < 0.91:
         return f"slopes[{rng.choice(['head', 'kv_head', 'batch', 'dim', 'q_pos'])}]"
+    if pick < 0.93:  # a per-pair mask, mostly read at (q_row, kv_pos)
+        return rng.choice(["pm[q_row, kv_pos]", "pm[q_row, kv_pos]", "pm[q_pos, kv_pos]",
+                           "pm[kv_pos]", "not pm[q_row, kv_pos]"])
     if pick < 0.97:
         op = rng.choice(["sum", "max", "min", "any", "all", "mean", "where"])
         bounds = rng.choice(["4", "1, 3", "0", "300", "c", "kv_len", "2, 1", "1, 2, 3"])
@@ -95,15 +98,17 @@ def _expr(rng: random.Random, depth: int, stage: str | None = None) -> str:
 
 def random_program(rng: random.Random) -> str:
     lines = [f"variant {rng.choice(['v', 'fuzz', 'a1'])}"]
+    if rng.random() < 0.2:  # a well-formed per-pair mask, so programs reading it pass
+        lines.append("param pm: bool[q, kv]")
     for _ in range(rng.randint(0, 3)):
         kind = rng.random()
         if kind < 0.4:
             ty = rng.choice(["float", "int", "bool", "double"])
             extent = rng.choice(["", "", "[heads]", "[kv_heads]", "[batch]", "[dim]", "[rows]",
                                  "[heads, 8]", "[batch, 64]", "[8, batch]", "[0]", "[4, 4, 2]",
-                                 "[2.5]", "[c]"])
+                                 "[2.5]", "[c]", "[q, kv]", "[q, kv]", "[kv, q]", "[q]"])
             default = rng.choice(["", f" = {rng.choice(EDGE_NUMBERS)}", " = -1.5", " = true"])
-            lines.append(f"param {rng.choice(['cap', 'w', 'slopes', 'table', 'NULL'])}: "
+            lines.append(f"param {rng.choice(['cap', 'w', 'slopes', 'table', 'NULL', 'pm'])}: "
                          f"{ty}{extent}{default}")
         elif kind < 0.7:
             lines.append(f"let {rng.choice(['dist', 'c', 'q'])} = "
@@ -191,6 +196,9 @@ def _tiny_params(v) -> dict:
     params = {}
     for p in v.params:
         is_float = str(p.type) == "float"
+        if p.is_pair:  # check_source's one request: 3 queries over 5 keys
+            params[p.name] = [rng.random((3, 5)) < 0.5]
+            continue
         if p.is_tensor and np.prod(p.shape(sizes), dtype=float) > 1 << 16:
             # A table as large as the checker allows (2^31 - 1 elements): one value seen
             # through zero strides, so the reference reads it without the memory.

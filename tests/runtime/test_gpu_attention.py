@@ -29,6 +29,7 @@ from attnlang.runtime.arrays import bfloat16_bits_to_float, float_to_bfloat16_bi
 from attnlang.runtime.merge import merge_states_reference
 from attnlang.runtime.paged import indptr_from_lengths, ragged_to_paged
 from attnlang.runtime.planner import Tiling, plan_mixed
+from tests.codegen.emulator import random_pair_mask
 from tests.variant_files import VARIANT_FILES, VARIANT_IDS
 
 pytestmark = pytest.mark.gpu
@@ -193,6 +194,10 @@ def make_params(variant: ir.Variant, rng, qo, kv, num_qo_heads, num_kv_heads, he
     sizes = ir.extent_sizes(variant, num_qo_heads, num_kv_heads, len(qo), head_dim, head_dim_vo)
     params = {}
     for spec in variant.params:
+        if spec.is_pair:  # 16 x 32 blocks all true, all false or mixed: every tile class
+            params[spec.name] = [random_pair_mask(rng, int(q), int(k))
+                                 for q, k in zip(qo, kv, strict=True)]
+            continue
         if not spec.is_tensor:
             if spec.name == "bias":
                 value = -math.log(float(max(kv)))
@@ -282,6 +287,13 @@ def test_decode_kernel_at_gqa_groups(cp, case, error_log):
     assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
 
 
+def split_params(variant: ir.Variant, params: dict) -> tuple[dict, dict]:
+    """(plan()'s params: the per-pair masks, run()'s: the rest)."""
+    pairs = {p.name for p in variant.params if p.is_pair}
+    return ({k: v for k, v in params.items() if k in pairs},
+            {k: v for k, v in params.items() if k not in pairs})
+
+
 def check_case(cp, case: Case, error_log, **attn_kwargs):
     """Run a case's batch (BatchAttention with attn_kwargs) and compare with the reference;
     returns the plan."""
@@ -298,7 +310,8 @@ def check_case(cp, case: Case, error_log, **attn_kwargs):
 
     attn, chunk = build_attention(variant, case, qo, kv, num_qo_heads, num_kv_heads,
                                   **attn_kwargs)
-    plan = attn.plan(*batch.table, kv_chunk_size=chunk)
+    plan_params, params = split_params(variant, params)
+    plan = attn.plan(*batch.table, kv_chunk_size=chunk, params=plan_params)
     if case.split == "forced":
         # The small chunk splits every work unit longer than it. A windowed mask may trim
         # every unit below it (a window of 64 keys over the 16 queries of a GQA-8 tile):

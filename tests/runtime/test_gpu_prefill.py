@@ -34,6 +34,7 @@ from tests.runtime.test_gpu_attention import (
     make_params,
     poisoned,
     rel_l2,
+    split_params,
     to_device,
 )
 from tests.variant_files import VARIANT_IDS
@@ -70,7 +71,8 @@ def run_and_check(cp, variant, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, 
         kwargs.setdefault("max_merge_rows", 1 << 17)
     attn = attnlang.BatchAttention(variant, num_qo_heads, num_kv_heads, head_dim, dtype=dtype,
                                    page_size=page_size, head_dim_vo=head_dim_vo, **kwargs)
-    plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size)
+    plan_params, params = split_params(variant, params)
+    plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size, params=plan_params)
     assert (plan.prefill.num_work_items > 0) == expect_prefill, "prefill kernel dispatch"
     if expect_decode is not None:
         assert (plan.decode.num_work_items > 0) == expect_decode, "decode kernel dispatch"

@@ -694,3 +694,19 @@ def test_describe_numpy_and_strides():
     assert describe(info, "x") is info or describe(info, "x") == info
     with pytest.raises(TypeError, match="x must be an array"):
         describe(object(), "x")
+
+
+def test_a_per_pair_mask_comes_from_plan_not_run():
+    tree = attnlang.parse("variant t\nparam allowed: bool[q, kv]\nparam cap: float = 5.0\n"
+                          "logits = cap * tanh(logits / cap)\nmask = allowed[q_row, kv_pos]\n")
+    buffer = np.uint64(0x7F0000001000)  # what plan() hands run(): its packed buffer
+    r = run_inputs(specs=tree.params, params={"cap": 3.0}, plan_params={"allowed": buffer})
+    assert [(spec.name, value) for spec, value in r.params] == [("allowed", buffer),
+                                                                ("cap", np.float32(3.0))]
+    with pytest.raises(ValueError, match=r"param 'allowed' \(bool\[q, kv\]\) is a per-pair mask: "
+                                         r"pass it to plan\(params=...\)"):
+        run_inputs(specs=tree.params, params={"allowed": np.ones(5, bool)},
+                   plan_params={"allowed": buffer})
+    with pytest.raises(ValueError, match=r"comes from plan\(\): call plan\(..., "
+                                         r"params=\{'allowed': ...\}\) first"):
+        run_inputs(specs=tree.params)

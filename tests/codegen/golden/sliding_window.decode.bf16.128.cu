@@ -52,6 +52,7 @@
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
+//   pair_bit, pair_tile      an element / a box's class of a per-pair mask (bool[q, kv])
 //   ilog2(n)                 floor(log2 n), constexpr
 //   imin imax iabs           int min / max / abs
 //   ex2_approx tanh_approx   MUFU ex2.approx.ftz.f32 / tanh.approx.f32 (inline PTX)
@@ -169,6 +170,41 @@ template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
   int flat = 0;
   return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+}
+
+// A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
+// into one buffer: a header of int64 {requests B, bits offset, blocks offset, (block_q,
+// block_kv) as two int32}, then int64 word_start[B] and block_start[B]. Request b's matrix
+// [qo_len, kv_len] is row-major bits from word word_start[b] of the bits (bit i of a word is
+// its i-th element); its block summary holds a byte per block_q x block_kv block, row-major:
+// bit 0 some element is true, bit 1 some is false.
+__device__ __forceinline__ bool pair_bit(const unsigned char* base, const Index& ix,
+                                         const int row, const int col) {
+  const long long* head = reinterpret_cast<const long long*>(base);
+  const unsigned* bits = reinterpret_cast<const unsigned*>(base + head[1]);
+  const long long bit = head[4 + ix.batch] * 32 + static_cast<long long>(row) * ix.kv_len + col;
+  return (bits[bit >> 5] >> (bit & 31)) & 1u;
+}
+
+// The class of rows [row_lo, row_hi] x keys [col_lo, col_hi] of the request's matrix (0 all
+// false, 1 mixed, 2 all true) from the summary bytes of the blocks covering it.
+__device__ __forceinline__ int pair_tile(const unsigned char* base, const Index& ix, int row_lo,
+                                         int row_hi, int col_lo, int col_hi) {
+  const long long* head = reinterpret_cast<const long long*>(base);
+  const int block_q = reinterpret_cast<const int*>(head + 3)[0];
+  const int block_kv = reinterpret_cast<const int*>(head + 3)[1];
+  const unsigned char* blocks = base + head[2] + head[4 + head[0] + ix.batch];
+  row_lo = imax(row_lo, 0), row_hi = imin(row_hi, ix.qo_len - 1);
+  col_lo = imax(col_lo, 0), col_hi = imin(col_hi, ix.kv_len - 1);
+  if (row_lo > row_hi || col_lo > col_hi) return 1;
+  const int blocks_per_row = ceil_div(ix.kv_len, block_kv);
+  unsigned seen = 0;  // bit 0: a true element, bit 1: a false one
+  for (int qb = row_lo / block_q; qb <= row_hi / block_q && seen != 3; ++qb) {
+    for (int kb = col_lo / block_kv; kb <= col_hi / block_kv; ++kb) {
+      seen |= blocks[qb * blocks_per_row + kb];
+    }
+  }
+  return seen == 1 ? 2 : (seen == 2 ? 0 : 1);
 }
 
 // Length of request `batch`'s KV sequence: full pages plus the last page's valid tokens.
@@ -836,7 +872,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 7 "examples/sliding_window.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.q_pos - ix.kv_pos) < 4096));
 }
-#line 840 "sliding_window_decode.cu"
+#line 876 "sliding_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -846,7 +882,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 7 "examples/sliding_window.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(4096)));
 }
-#line 850 "sliding_window_decode.cu"
+#line 886 "sliding_window_decode.cu"
 
 }  // namespace variant
 

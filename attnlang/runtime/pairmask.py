@@ -1,0 +1,143 @@
+"""Per-pair masks (`param allowed: bool[q, kv]`): each request's own [qo_len, kv_len] bool
+matrix, given to plan(), packed on the host into the one buffer the kernels read
+(common.cuh: pair_bit, pair_tile).
+
+Layout (bytes, little-endian; sections 16-byte aligned):
+
+    int64 requests B, bits offset, blocks offset; int32 block_q, block_kv
+    int64 word_start[B]     request b's bits start at this 32-bit word of the bits
+    int64 block_start[B]    ... and its block summary at this byte of the blocks
+    bits                    row-major, element (i, j) is bit i * kv_len + j of the request's
+                            words (bit k of a word is its k-th element)
+    blocks                  one byte per BLOCK_Q x BLOCK_KV block, row-major over the
+                            request's blocks: bit 0 some element is true, bit 1 some is false
+
+The summary is what plan-time scanning buys: the kernels skip a tile whose covering blocks
+are all false and drop the per-element test where they are all true.
+
+    masks = normalize(value, qo_lens, kv_lens, "allowed")   # one 2-D bool array per request
+    buffer = pack(masks)                                    # np.uint8, ready to upload
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BLOCK_Q", "BLOCK_KV", "normalize", "pack", "packed_size"]
+
+BLOCK_Q, BLOCK_KV = 16, 32  # summary granularity: 16 query rows x 32 keys
+_HEADER = 32  # bytes before word_start
+
+
+def normalize(value: Any, qo_lens: Sequence[int], kv_lens: Sequence[int],
+              name: str) -> list[np.ndarray]:
+    """A per-pair mask as one bool [qo_len, kv_len] array per request.
+
+    value: a sequence of B 2-D bool arrays, or one flat bool array of sum(qo_len * kv_len)
+    elements (FlashInfer's custom_mask layout: each request's matrix row-major, requests in
+    order). NumPy arrays, lists or torch tensors (CUDA ones are copied to the host: the plan
+    is made there). Raises TypeError / ValueError naming the param.
+    """
+    qo = [int(n) for n in qo_lens]
+    kv = [int(n) for n in kv_lens]
+    where = f"param {name!r} (bool[q, kv])"
+    if isinstance(value, (list, tuple)) and len(value) == len(qo) and all(
+            np.ndim(_host(m)) == 2 for m in value):
+        masks = [_bool_array(m, where) for m in value]
+        for b, (m, q, k) in enumerate(zip(masks, qo, kv, strict=True)):
+            if m.shape != (q, k):
+                raise ValueError(f"{where}: request {b}'s matrix must be [qo_len, kv_len] = "
+                                 f"({q}, {k}), got {m.shape}")
+        return masks
+    flat = _bool_array(value, where)
+    total = sum(q * k for q, k in zip(qo, kv, strict=True))
+    if flat.ndim != 1 or flat.shape[0] != total:
+        raise ValueError(f"{where} must be a list of {len(qo)} [qo_len, kv_len] bool arrays "
+                         f"or one flat bool array of sum(qo_len * kv_len) = {total} elements, "
+                         f"got shape {flat.shape}")
+    ends = np.cumsum([q * k for q, k in zip(qo, kv, strict=True)])
+    return [seg.reshape(q, k) for seg, q, k in zip(np.split(flat, ends[:-1]), qo, kv,
+                                                    strict=True)]
+
+
+def _host(m: Any) -> Any:
+    if type(m).__module__.startswith("torch"):
+        return m.detach().cpu().numpy()
+    return m
+
+
+def _bool_array(m: Any, where: str) -> np.ndarray:
+    a = np.asarray(_host(m))
+    if a.dtype != np.bool_:
+        raise TypeError(f"{where} must hold bools, got dtype {a.dtype}")
+    return a
+
+
+def packed_size(qo_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
+    """Bytes `pack` returns for these lengths (what BatchAttention's buffer must hold)."""
+    words, blocks = _starts(qo_lens, kv_lens)
+    return _blocks_offset(len(words) - 1, int(words[-1])) + int(blocks[-1])
+
+
+def _starts(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray]:
+    """Cumulative 32-bit words and summary bytes per request ([B + 1] each)."""
+    qo = np.asarray(qo_lens, np.int64)
+    kv = np.asarray(kv_lens, np.int64)
+    words = (qo * kv + 31) // 32
+    blocks = -(-qo // BLOCK_Q) * -(-kv // BLOCK_KV)
+    return (np.concatenate([[0], np.cumsum(words)]),
+            np.concatenate([[0], np.cumsum(blocks)]))
+
+
+def _align16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def _bits_offset(batch: int) -> int:
+    return _align16(_HEADER + 16 * batch)
+
+
+def _blocks_offset(batch: int, words: int) -> int:
+    return _align16(_bits_offset(batch) + 4 * words)
+
+
+def pack(masks: Sequence[np.ndarray]) -> np.ndarray:
+    """The kernels' buffer (layout above) of one [qo_len, kv_len] bool array per request."""
+    qo = [m.shape[0] for m in masks]
+    kv = [m.shape[1] for m in masks]
+    words, blocks = _starts(qo, kv)
+    batch = len(masks)
+    bits_at, blocks_at = _bits_offset(batch), _blocks_offset(batch, int(words[-1]))
+    out = np.zeros(blocks_at + int(blocks[-1]), np.uint8)
+    header = out[:_HEADER].view(np.int64)
+    header[:3] = (batch, bits_at, blocks_at)
+    out[24:32].view(np.int32)[:] = (BLOCK_Q, BLOCK_KV)
+    out[_HEADER:_HEADER + 16 * batch].view(np.int64)[:] = np.concatenate([words[:-1],
+                                                                          blocks[:-1]])
+    bits = out[bits_at:bits_at + 4 * int(words[-1])]
+    summary = out[blocks_at:]
+    for b, m in enumerate(masks):
+        n = m.size
+        if n == 0:
+            continue
+        packed = np.packbits(m.reshape(-1), bitorder="little")  # element k: bit k % 8 of byte k/8
+        bits[4 * int(words[b]):4 * int(words[b]) + packed.shape[0]] = packed
+        summary[int(blocks[b]):int(blocks[b + 1])] = _summary(m).reshape(-1)
+    return out
+
+
+def _summary(m: np.ndarray) -> np.ndarray:
+    """[ceil(q / BLOCK_Q), ceil(kv / BLOCK_KV)] bytes: bit 0 any true, bit 1 any false (the
+    padding past the matrix counts as neither)."""
+    q, k = m.shape
+    nq, nk = -(-q // BLOCK_Q), -(-k // BLOCK_KV)
+    true = np.zeros((nq * BLOCK_Q, nk * BLOCK_KV), bool)
+    false = np.zeros_like(true)
+    true[:q, :k], false[:q, :k] = m, ~m
+    blocks = (nq, BLOCK_Q, nk, BLOCK_KV)
+    any_true = true.reshape(blocks).any(axis=(1, 3))
+    any_false = false.reshape(blocks).any(axis=(1, 3))
+    return (any_true.astype(np.uint8) | (any_false.astype(np.uint8) << 1))
