@@ -106,6 +106,7 @@ class Hooks:
     mask: str
     output: str
     mask_tile: str
+    pair_window: str
     kernel_params: tuple[KernelParam, ...]
     params_init: str
     has_query: bool
@@ -132,7 +133,7 @@ class Hooks:
             self.flags,
             "",
             self.query, "", self.key, "", self.value, "", self.logits, "", self.mask, "",
-            self.output, "", self.mask_tile,
+            self.output, "", self.mask_tile, "", self.pair_window,
             "",
             "}  // namespace variant",
         ]
@@ -274,6 +275,17 @@ def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool]:
     return f"{_MASK_TILE_SIG} {{\n{out.text()}\n}}", out.used_line
 
 
+def _pair_window_hook(pairs: list[ir.ParamSpec]) -> str:
+    """The bits of a tile row of the variant's per-pair mask, when it has exactly one
+    (kPairWindow): kernels load them once per masked tile and row, and pair_bit reads them."""
+    sig = ("template <int kKeys>\n__device__ __forceinline__ ::attnlang::PairWindow "
+           "pair_window(const Params& p, const Index& ix, const int kv_lo)")
+    if len(pairs) != 1:
+        return f"{sig} {{ return {{}}; }}  // unused: kPairWindow is false"
+    member = member_name(pairs[0].name)
+    return f"{sig} {{\n  return ::attnlang::make_pair_window<kKeys>(p.{member}, ix, kv_lo);\n}}"
+
+
 # ------------------------------------------------------------------------------ entry point
 
 
@@ -307,8 +319,10 @@ def lower(variant: ir.Variant) -> Hooks:
     def flag(name: str, value: bool) -> str:
         return f"inline constexpr bool {name} = {'true' if value else 'false'};"
 
+    pairs = [p for p in variant.params if p.is_pair]
     flags = "\n".join([flag(flag_names[s], has[s]) for s in ir.STAGES]
-                      + [flag("kSoftmax", variant.softmax)])
+                      + [flag("kSoftmax", variant.softmax),
+                         flag("kPairWindow", len(pairs) == 1)])
 
     fns: dict[str, str] = {}
     stage_lines = []
@@ -335,6 +349,7 @@ def lower(variant: ir.Variant) -> Hooks:
         flags=flags,
         **fns,
         mask_tile=mask_tile,
+        pair_window=_pair_window_hook(pairs),
         kernel_params=tuple(kernel_params),
         params_init=params_init,
         has_query=has["query"], has_key=has["key"], has_value=has["value"],

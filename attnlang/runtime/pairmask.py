@@ -11,6 +11,7 @@ Layout (bytes, little-endian; sections 16-byte aligned):
                             words (bit k of a word is its k-th element)
     blocks                  one byte per BLOCK_Q x BLOCK_KV block, row-major over the
                             request's blocks: bit 0 some element is true, bit 1 some is false
+    32 zero bytes           what a kernel's tile window may read past the bits
 
 The summary is what plan-time scanning buys: the kernels skip a tile whose covering blocks
 are all false and drop the per-element test where they are all true.
@@ -30,6 +31,9 @@ __all__ = ["BLOCK_Q", "BLOCK_KV", "normalize", "pack", "packed_size"]
 
 BLOCK_Q, BLOCK_KV = 16, 32  # summary granularity: 16 query rows x 32 keys
 _HEADER = 32  # bytes before word_start
+# Zero bytes after the blocks: a kernel's tile window (common.cuh, make_pair_window) reads up
+# to four words past the bits it needs.
+_TAIL = 32
 
 
 def normalize(value: Any, qo_lens: Sequence[int], kv_lens: Sequence[int],
@@ -79,7 +83,7 @@ def _bool_array(m: Any, where: str) -> np.ndarray:
 def packed_size(qo_lens: Sequence[int], kv_lens: Sequence[int]) -> int:
     """Bytes `pack` returns for these lengths (what BatchAttention's buffer must hold)."""
     words, blocks = _starts(qo_lens, kv_lens)
-    return _blocks_offset(len(words) - 1, int(words[-1])) + int(blocks[-1])
+    return _blocks_offset(len(words) - 1, int(words[-1])) + int(blocks[-1]) + _TAIL
 
 
 def _starts(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray]:
@@ -111,14 +115,14 @@ def pack(masks: Sequence[np.ndarray]) -> np.ndarray:
     words, blocks = _starts(qo, kv)
     batch = len(masks)
     bits_at, blocks_at = _bits_offset(batch), _blocks_offset(batch, int(words[-1]))
-    out = np.zeros(blocks_at + int(blocks[-1]), np.uint8)
+    out = np.zeros(blocks_at + int(blocks[-1]) + _TAIL, np.uint8)
     header = out[:_HEADER].view(np.int64)
     header[:3] = (batch, bits_at, blocks_at)
     out[24:32].view(np.int32)[:] = (BLOCK_Q, BLOCK_KV)
     out[_HEADER:_HEADER + 16 * batch].view(np.int64)[:] = np.concatenate([words[:-1],
                                                                           blocks[:-1]])
     bits = out[bits_at:bits_at + 4 * int(words[-1])]
-    summary = out[blocks_at:]
+    summary = out[blocks_at:blocks_at + int(blocks[-1])]
     for b, m in enumerate(masks):
         n = m.size
         if n == 0:

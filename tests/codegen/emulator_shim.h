@@ -81,6 +81,9 @@ inline int __float2int_rz(float x) {
 inline float __cosf(float x) { return cosf(x); }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
+inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
+  return static_cast<unsigned>(((static_cast<unsigned long long>(hi) << 32) | lo) >> (shift & 31));
+}
 inline size_t __cvta_generic_to_shared(const void* p) { return (size_t)p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 // Inline PTX the harness does not emulate (other kernels' helpers): fatal if ever reached.
