@@ -94,7 +94,7 @@ def main() -> int:
         last = (kv - (pages_per - 1) * PAGE).astype(np.int32)
         table = (qo_indptr, kv_indptr, perm, last)
         allowed = int(sum(int(m.sum()) for m in masks))
-        causal_pairs = int(sum(q_ * (2 * k_ - q_ + 1) // 2 for q_, k_ in zip(qo, kv)))
+        causal_pairs = int(sum(q_ * (2 * k_ - q_ + 1) // 2 for q_, k_ in zip(qo, kv, strict=True)))
         out = torch.empty_like(q)
         timings = {}
         for name, variant in (("attnlang spec_tree", tree_v), ("attnlang causal", causal_v)):
@@ -104,8 +104,8 @@ def main() -> int:
             attn.plan(*table, params={"allowed": masks} if variant is tree_v else None)
             plan_ms = (time.perf_counter() - t0) * 1e3
 
-            def call(attn=attn):
-                attn.run(q, (k_cache, v_cache), out=out)
+            def call(attn=attn, q=q, kv=(k_cache, v_cache), out=out):
+                attn.run(q, kv, out=out)
 
             call()
             params = {"allowed": masks} if variant is tree_v else {}

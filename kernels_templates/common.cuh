@@ -176,7 +176,10 @@ __device__ __forceinline__ PairWindow make_pair_window(const unsigned char* base
                                                        const int kv_lo) {
   constexpr int kWords = (kKeys + 31) / 32;
   static_assert(kWords <= 4, "windows of at most 4 words");
-  PairWindow win{{0u, 0u, 0u, 0u}, kv_lo};
+  PairWindow win;
+  win.kv_lo = kv_lo;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) win.word[k] = 0u;
   const int row = ix.q_pos - (ix.kv_len - ix.qo_len);
   if (static_cast<unsigned>(row) >= static_cast<unsigned>(ix.qo_len)) return win;
   const long long* head = reinterpret_cast<const long long*>(base);

@@ -314,6 +314,10 @@ def lower(variant: ir.Variant) -> Hooks:
                    + ", ".join(p.name for p in kernel_params) + "};")
 
     has = {stage: variant.stage(stage) is not None for stage in ir.STAGES}
+    # `mask = true` (or a mask that folds to it) hides nothing: the kernels take the path of
+    # no mask, where no tile is partial but the last one.
+    if isinstance(variant.mask, ir.Const) and variant.mask.value is True:
+        has["mask"] = False
     flag_names = {"query": "kHasQuery", "key": "kHasKey", "value": "kHasValue",
                   "logits": "kHasLogits", "mask": "kHasMask", "output": "kHasOutput"}
     def flag(name: str, value: bool) -> str:

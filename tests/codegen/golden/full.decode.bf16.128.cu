@@ -53,6 +53,7 @@
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
 //   pair_bit, pair_tile      an element / a box's class of a per-pair mask (bool[q, kv])
+//   PairWindow, make_pair_window<kKeys>   a row's bits over a tile, loaded once
 //   ilog2(n)                 floor(log2 n), constexpr
 //   imin imax iabs           int min / max / abs
 //   ex2_approx tanh_approx   MUFU ex2.approx.ftz.f32 / tanh.approx.f32 (inline PTX)
@@ -82,10 +83,14 @@ namespace attnlang {
 
 // Everything a hook may read besides its own input; built by the kernel per row / key.
 // Fields a stage cannot see (LANGUAGE.md section 4) hold -1.
+struct PairWindow;
 struct Index {
   int batch, head, kv_head, qo_len, kv_len, q_pos, kv_pos;
   int num_heads, num_kv_heads;
   float sm_scale;
+  // A per-pair mask's bits of this row over the tile, when the kernel loaded them
+  // (variant::pair_window); pair_bit then reads them, not memory.
+  const PairWindow* pair_window = nullptr;
 };
 
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -178,12 +183,60 @@ __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes)
 // [qo_len, kv_len] is row-major bits from word word_start[b] of the bits (bit i of a word is
 // its i-th element); its block summary holds a byte per block_q x block_kv block, row-major:
 // bit 0 some element is true, bit 1 some is false.
+// A row's bits for the keys [kv_lo, kv_lo + kKeys) of a tile, realigned so that bit i of
+// word k is key kv_lo + 32 k + i: a masked tile reads its row's bits once, not per element.
+struct PairWindow {
+  unsigned word[4];
+  int kv_lo;
+};
+
+__device__ __forceinline__ bool pair_window_bit(const PairWindow& win, const int col) {
+  const int rel = col - win.kv_lo;  // 0 .. kKeys - 1
+  const unsigned word = rel < 32 ? win.word[0] : rel < 64 ? win.word[1]
+                        : rel < 96 ? win.word[2] : win.word[3];
+  return (word >> (rel & 31)) & 1u;
+}
+
+// Element (row, col) of the request's matrix; false outside it (the rows a tile pads with).
 __device__ __forceinline__ bool pair_bit(const unsigned char* base, const Index& ix,
                                          const int row, const int col) {
+  if (ix.pair_window != nullptr) return pair_window_bit(*ix.pair_window, col);
+  if (static_cast<unsigned>(row) >= static_cast<unsigned>(ix.qo_len) ||
+      static_cast<unsigned>(col) >= static_cast<unsigned>(ix.kv_len)) {
+    return false;
+  }
   const long long* head = reinterpret_cast<const long long*>(base);
   const unsigned* bits = reinterpret_cast<const unsigned*>(base + head[1]);
   const long long bit = head[4 + ix.batch] * 32 + static_cast<long long>(row) * ix.kv_len + col;
   return (bits[bit >> 5] >> (bit & 31)) & 1u;
+}
+
+// The window of ix's row (q_row) for the keys [kv_lo, kv_lo + kKeys): ceil(kKeys / 32) + 1
+// words loaded (plan() pads the bits, so the last may run past them), funnel-shifted into
+// place. Rows outside the request get an empty window. A caller whose keys are kv_lo plus
+// compile-time offsets makes every pair_window_bit a constant shift.
+template <int kKeys>
+__device__ __forceinline__ PairWindow make_pair_window(const unsigned char* base, const Index& ix,
+                                                       const int kv_lo) {
+  constexpr int kWords = (kKeys + 31) / 32;
+  static_assert(kWords <= 4, "windows of at most 4 words");
+  PairWindow win;
+  win.kv_lo = kv_lo;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) win.word[k] = 0u;
+  const int row = ix.q_pos - (ix.kv_len - ix.qo_len);
+  if (static_cast<unsigned>(row) >= static_cast<unsigned>(ix.qo_len)) return win;
+  const long long* head = reinterpret_cast<const long long*>(base);
+  const unsigned* bits = reinterpret_cast<const unsigned*>(base + head[1]);
+  const long long first = head[4 + ix.batch] * 32 + static_cast<long long>(row) * ix.kv_len + kv_lo;
+  const unsigned* words = bits + (first >> 5);
+  const unsigned shift = static_cast<unsigned>(first & 31);
+  unsigned raw[kWords + 1];
+#pragma unroll
+  for (int k = 0; k <= kWords; ++k) raw[k] = words[k];
+#pragma unroll
+  for (int k = 0; k < kWords; ++k) win.word[k] = __funnelshift_r(raw[k], raw[k + 1], shift);
+  return win;
 }
 
 // The class of rows [row_lo, row_hi] x keys [col_lo, col_hi] of the request's matrix (0 all
@@ -856,6 +909,7 @@ inline constexpr bool kHasLogits = false;
 inline constexpr bool kHasMask = false;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
+inline constexpr bool kPairWindow = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -874,6 +928,9 @@ template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) { return 2; }  // no mask: every pair visible
+
+template <int kKeys>
+__device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
 
 }  // namespace variant
 
@@ -1155,6 +1212,13 @@ __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[V
                                             const bool all_visible, const int tz,
                                             const int TZ, const int tx, const int perm,
                                             const variant::Params& params, Index ix) {
+  // A per-pair mask's bits of this row over the tile, loaded once (variant::pair_window);
+  // the pointer is set either way, so the window can live in registers.
+  PairWindow window{};
+  if constexpr (variant::kPairWindow) {
+    if (!all_visible) window = variant::pair_window<kTileKeys>(params, ix, tile_start);
+    ix.pair_window = &window;
+  }
   for (int chunk = tz; chunk < kChunksPerTile; chunk += TZ) {
     const int chunk_key = chunk * kChunk;  // first key of the chunk within the tile
     if (tile_start + chunk_key >= kv_end) break;  // this and later chunks are past the end
