@@ -23,7 +23,9 @@ only ever costs a PARTIAL tile, never a wrong skip.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +44,9 @@ class TileEnv:
     """What is known about a batch of tiles; arrays broadcast against each other.
 
     q_lo..kv_hi: inclusive position bounds. batch, kv_head, qo_len, kv_len: per tile.
-    group: num_heads // num_kv_heads (the query heads of kv_head are a range).
+    group: num_heads // num_kv_heads (the query heads of kv_head are a range). pairs: the
+    per-pair masks plan() was given, by name (`pairmask.PairBlocks`): their tiles are classed
+    by the blocks; without them a per-pair read is unknown (PARTIAL).
     """
 
     q_lo: np.ndarray
@@ -56,6 +60,7 @@ class TileEnv:
     num_heads: int
     num_kv_heads: int
     head_dim: int
+    pairs: Mapping[str, Any] | None = None
 
 
 def classify_tiles(mask: ir.Expr | None, env: TileEnv) -> np.ndarray:
@@ -113,6 +118,13 @@ class _NumpyIntervals:
             c, a, b = self.tri(e.args[0]), self.tri(e.args[1]), self.tri(e.args[2])
             either = np.where(a == b, a, PARTIAL)
             return np.where(c == FULL, a, np.where(c == EMPTY, b, either)).astype(np.int8)
+        pairs = self.env.pairs
+        if (isinstance(e, ir.ParamIndex) and e.extents == ir.PAIR_EXTENTS and pairs
+                and e.name in pairs):  # indexed (q_row, kv_pos): the checker's rule
+            env = self.env
+            first_row = env.kv_len - env.qo_len
+            return pairs[e.name].classify(env.batch, env.q_lo - first_row, env.q_hi - first_row,
+                                          env.kv_lo, env.kv_hi)
         return np.asarray(PARTIAL, np.int8)  # a bool param or anything unforeseen
 
     def iv(self, e: ir.Expr):

@@ -369,12 +369,13 @@ class BatchAttention:
         if inputs.kv_indices.shape[0] > self.max_kv_indices:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
                                 self.max_kv_indices, "page-table entries (kv_indices)")
-        packed_pairs = self._pack_pair_masks(params, inputs)
+        packed_pairs, pair_blocks = self._pack_pair_masks(params, inputs)
         plan = plan_mixed(
             inputs.qo_lens, inputs.kv_lens, num_kv_heads=self.shape.num_kv_heads,
             group_size=self.shape.group_size, **self._tilings,
             prefill_min_rows=self.prefill_min_rows, kv_chunk_size=kv_chunk_size,
             bounds=self.bounds, mask=self._mask, head_dim=self.shape.head_dim,
+            pairs=pair_blocks or None,
         )
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
@@ -569,10 +570,12 @@ class BatchAttention:
 
     # -- internals
 
-    def _pack_pair_masks(self, params: Mapping[str, Any] | None,
-                         inputs: PlanInputs) -> dict[str, np.ndarray]:
-        """The per-pair masks of plan()'s params, packed (pairmask.pack); raises for a
-        missing one, a param plan() does not take, or a mask past max_pair_mask_bytes."""
+    def _pack_pair_masks(self, params: Mapping[str, Any] | None, inputs: PlanInputs
+                         ) -> tuple[dict[str, np.ndarray], dict[str, pairmask.PairBlocks]]:
+        """The per-pair masks of plan()'s params, packed for the kernels (pairmask.pack) and
+        summarised for the planner (PairBlocks: it trims and costs the work by them); raises
+        for a missing one, a param plan() does not take, or a mask past
+        max_pair_mask_bytes."""
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise TypeError(f"plan()'s params must be a dict, got {type(params).__name__}")
@@ -583,7 +586,7 @@ class BatchAttention:
                     f"plan() takes only per-pair masks (bool[q, kv]) as params; pass {name!r} "
                     f"to run()" + ("" if pairs else
                                    f" (variant {self.module.name} has no per-pair mask)"))
-        packed = {}
+        packed, blocks = {}, {}
         for name in pairs:
             if name not in params:
                 raise ValueError(f"missing param {name!r} (bool[q, kv]): pass "
@@ -595,7 +598,8 @@ class BatchAttention:
                 raise CapacityError("max_pair_mask_bytes", packed[name].nbytes,
                                     self.max_pair_mask_bytes,
                                     f"bytes of the packed per-pair mask {name!r}")
-        return packed
+            blocks[name] = pairmask.PairBlocks(masks)
+        return packed, blocks
 
     def _check_call(self, q, kv_cache, params, out, lse, sm_scale) -> _CheckedCall:
         """Validate one run() call in full (validate_run_inputs) and keep what later calls

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK_Q", "BLOCK_KV", "normalize", "pack", "packed_size"]
+__all__ = ["BLOCK_Q", "BLOCK_KV", "PairBlocks", "normalize", "pack", "packed_size"]
 
 BLOCK_Q, BLOCK_KV = 16, 32  # summary granularity: 16 query rows x 32 keys
 _HEADER = 32  # bytes before word_start
@@ -145,3 +145,51 @@ def _summary(m: np.ndarray) -> np.ndarray:
     any_true = true.reshape(blocks).any(axis=(1, 3))
     any_false = false.reshape(blocks).any(axis=(1, 3))
     return (any_true.astype(np.uint8) | (any_false.astype(np.uint8) << 1))
+
+
+class PairBlocks:
+    """The block summary of one per-pair mask on the host, for the planner: the class of any
+    box of a request's matrix (0 all false, 1 mixed, 2 all true) from the blocks covering it,
+    vectorised over many boxes (summed-area tables of the blocks holding a true / a false).
+
+        blocks = PairBlocks(masks)
+        blocks.classify(batch, row_lo, row_hi, col_lo, col_hi)   # int8 array
+    """
+
+    def __init__(self, masks: Sequence[np.ndarray]):
+        self.qo = np.array([m.shape[0] for m in masks], np.int64)
+        self.kv = np.array([m.shape[1] for m in masks], np.int64)
+        trues, falses, offsets, widths = [], [], [0], []
+        for m in masks:
+            s = _summary(m) if m.size else np.zeros((0, 0), np.uint8)
+            for bit, tables in ((1, trues), (2, falses)):
+                t = np.zeros((s.shape[0] + 1, s.shape[1] + 1), np.int64)
+                t[1:, 1:] = ((s & bit) != 0).cumsum(0).cumsum(1)
+                tables.append(t.reshape(-1))
+            offsets.append(offsets[-1] + trues[-1].shape[0])
+            widths.append(s.shape[1] + 1)
+        self._true = np.concatenate(trues) if trues else np.zeros(1, np.int64)
+        self._false = np.concatenate(falses) if falses else np.zeros(1, np.int64)
+        self._offset = np.array(offsets[:-1], np.int64)
+        self._width = np.array(widths, np.int64)
+
+    def classify(self, batch, row_lo, row_hi, col_lo, col_hi) -> np.ndarray:
+        """Per box: 0 if every element is false, 2 if every one is true, else 1 (also for a
+        box outside its request's matrix, which the kernels never ask about)."""
+        b, r0, r1, c0, c1 = (np.asarray(x, np.int64) for x in
+                             np.broadcast_arrays(batch, row_lo, row_hi, col_lo, col_hi))
+        q, k = self.qo[b], self.kv[b]
+        r0, r1 = np.maximum(r0, 0), np.minimum(r1, q - 1)
+        c0, c1 = np.maximum(c0, 0), np.minimum(c1, k - 1)
+        empty = (r0 > r1) | (c0 > c1)
+        qb0, qb1 = r0 // BLOCK_Q, np.where(empty, r0 // BLOCK_Q, r1 // BLOCK_Q + 1)
+        kb0, kb1 = c0 // BLOCK_KV, np.where(empty, c0 // BLOCK_KV, c1 // BLOCK_KV + 1)
+        base, w = self._offset[b], self._width[b]
+
+        def count(table):
+            at = lambda i, j: table[np.where(empty, 0, base + i * w + j)]  # noqa: E731
+            return at(qb1, kb1) - at(qb0, kb1) - at(qb1, kb0) + at(qb0, kb0)
+
+        trues, falses = count(self._true), count(self._false)
+        out = np.where(trues == 0, 0, np.where(falses == 0, 2, 1))
+        return np.where(empty, 1, out).astype(np.int8)

@@ -305,6 +305,7 @@ def plan_batch(
     bounds: PlanBounds | None = None,
     mask: Any = None,
     head_dim: int | None = None,
+    pairs: Any = None,
 ) -> Plan:
     """Schedule a ragged batch over `num_ctas` CTAs. Pure CPU, deterministic.
 
@@ -323,6 +324,8 @@ def plan_batch(
             mask, each unit's KV range is trimmed to its first .. last KV tile that the mask
             analysis (`classify_tiles`, params unknown) does not prove fully masked, and it is
             costed by its non-EMPTY tiles only (see `_trim`). None: the whole [0, kv_len).
+        pairs: the per-pair masks of the batch by name (`pairmask.PairBlocks`): the analysis
+            classes their reads by the blocks (without them: unknown).
 
     Returns a Plan. Requests with qo_len == 0 produce no work. Example::
 
@@ -343,7 +346,7 @@ def plan_batch(
     return _schedule(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
                      rows_per_tile=rows_per_tile, num_ctas=num_ctas, min_kv_chunk=min_kv_chunk,
                      kv_align=kv_align, kv_chunk_size=kv_chunk_size, bounds=bounds, mask=mask,
-                     head_dim=head_dim)
+                     head_dim=head_dim, pairs=pairs)
 
 
 def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
@@ -375,7 +378,7 @@ def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
-              kv_align, kv_chunk_size, bounds, mask, head_dim, lens32=None) -> Plan:
+              kv_align, kv_chunk_size, bounds, mask, head_dim, pairs=None, lens32=None) -> Plan:
     """plan_batch after its checks (lengths from _lengths, arguments positive).
 
     lens32: the frozen int32 copies of (qo, kv) for the Plan, when the caller has them."""
@@ -396,7 +399,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     if mask is not None:
         if head_dim is None:
             raise PlanError("plan_batch: head_dim is required with a mask")
-        trim = _trim(mask, qo, kv, u, group_size, num_kv_heads, int(head_dim), kv_align)
+        trim = _trim(mask, qo, kv, u, group_size, num_kv_heads, int(head_dim), kv_align, pairs)
         span0, span1 = trim.span0, trim.span1
         span = span1 if span0 is None else span1 - span0
         if trim.cum is None:  # no tiles (causal decode): as unmasked, over the trimmed spans
@@ -880,7 +883,8 @@ def _mask_names(e, out: set) -> set:
     return out
 
 
-def _trim(mask, qo, kv, u: _Units, group_size, num_kv_heads, head_dim, kv_align) -> _Trim:
+def _trim(mask, qo, kv, u: _Units, group_size, num_kv_heads, head_dim, kv_align,
+          pairs=None) -> _Trim:
     """Classify every (unit, KV tile) pair with the mask analysis at the unit's query
     positions (q_pos = kv_len - qo_len + fused_row // group) in one vectorised call, and
     trim each unit to its first .. last non-EMPTY tile. Sound: the analysis is conservative
@@ -898,7 +902,7 @@ def _trim(mask, qo, kv, u: _Units, group_size, num_kv_heads, head_dim, kv_align)
     q_lo, q_hi = q_first + lo, q_first + hi
     num_cls = req.shape[0]
     geometry = dict(num_heads=num_kv_heads * group_size, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim)
+                    head_dim=head_dim, pairs=pairs)
     # Level 0: the unit's whole range. FULL (causal decode) or EMPTY needs no tiles.
     whole = classify_tiles(mask, TileEnv(q_lo=q_lo, q_hi=q_hi, kv_lo=_ZERO_POS,
                                          kv_hi=kv_len - 1, batch=req, kv_head=kvh,
@@ -1073,6 +1077,7 @@ def plan_mixed(
     bounds: PlanBounds | None = None,
     mask: Any = None,
     head_dim: int | None = None,
+    pairs: Any = None,
 ) -> BatchPlan:
     """Schedule a ragged batch over the decode and prefill kernels. Pure CPU, deterministic.
 
@@ -1111,7 +1116,8 @@ def plan_mixed(
     _check_bound(bounds.max_total_q, "max_total_q", total_q, "query tokens")
     per_list = _list_bounds(bounds.max_work_items)
     common = dict(num_kv_heads=num_kv_heads, group_size=group_size, min_kv_chunk=min_kv_chunk,
-                  kv_chunk_size=kv_chunk_size, bounds=per_list, mask=mask, head_dim=head_dim)
+                  kv_chunk_size=kv_chunk_size, bounds=per_list, mask=mask, head_dim=head_dim,
+                  pairs=pairs)
     if mask is not None and head_dim is None:
         raise PlanError("plan_mixed: head_dim is required with a mask")
     any_prefill = int(qo.max(initial=0)) * group_size > prefill_min_rows

@@ -75,3 +75,27 @@ def test_flat_list_and_torch_forms_agree():
 def test_wrong_forms_are_named(value, error, match):
     with pytest.raises(error, match=match):
         pairmask.normalize(value, (3, 2), (7, 9), "allowed")
+
+
+def test_planner_blocks_are_sound():
+    """PairBlocks.classify (the planner's view) against every box's elements: never 0 with a
+    true inside, never 2 with a false inside; all three classes occur."""
+    rng = np.random.default_rng(2)
+    qo, kv = (40, 300, 5, 1), (100, 300, 900, 1)
+    masks = [np.repeat(np.repeat(rng.random((-(-q // 32), -(-k // 64))) < 0.5, 32, 0), 64,
+                       1)[:q, :k] for q, k in zip(qo, kv, strict=True)]
+    masks[2] = rng.random((5, 900)) < 0.5
+    blocks = pairmask.PairBlocks(masks)
+    n = 3000
+    b = rng.integers(0, len(qo), n)
+    q, k = np.array(qo)[b], np.array(kv)[b]
+    r0 = rng.integers(0, q)
+    r1 = np.minimum(r0 + rng.integers(0, 40, n), q - 1)
+    c0 = rng.integers(0, k)
+    c1 = np.minimum(c0 + rng.integers(0, 200, n), k - 1)
+    classes = blocks.classify(b, r0, r1, c0, c1)
+    for i in range(n):
+        box = masks[b[i]][r0[i]:r1[i] + 1, c0[i]:c1[i] + 1]
+        assert not (classes[i] == 0 and box.any()) and not (classes[i] == 2 and not box.all())
+    assert set(np.unique(classes)) == {0, 1, 2}
+    assert blocks.classify(0, 50, 60, 0, 10) == 1  # rows past the request: unknown

@@ -7,7 +7,7 @@ import pytest
 
 import attnlang as al
 from attnlang import interpret, ir
-from attnlang.runtime import planner
+from attnlang.runtime import pairmask, planner
 from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
 from tests.codegen.test_mask_tiles import VARIANTS, random_params
 
@@ -174,3 +174,39 @@ def test_no_mask_plans_are_unchanged():
     with pytest.raises(planner.PlanError, match="head_dim"):
         plan_batch(qo, kv, num_kv_heads=2, group_size=4, rows_per_tile=4, num_ctas=4,
                    mask=_window(10).mask)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_per_pair_masks_trim_by_their_blocks(seed):
+    """A per-pair mask's block summary (pairmask.PairBlocks) trims each unit's KV range and
+    drops units with nothing visible, never a visible pair; a mask combined with causal too."""
+    rng = np.random.default_rng(seed)
+    qo, kv = _batch(rng)
+    masks = []
+    for q, k in zip(qo, kv, strict=True):  # block-sparse 32 x 64 layouts, some rows empty
+        layout = rng.random((-(-q // 32) or 1, -(-k // 64) or 1)) < 0.4
+        masks.append(np.repeat(np.repeat(layout, 32, 0), 64, 1)[:q, :k])
+    pairs = {"allowed": pairmask.PairBlocks(masks)}
+    for src in ("mask = allowed[q_row, kv_pos]", "mask = allowed[q_row, kv_pos] and causal"):
+        v = al.parse(f"variant t\nparam allowed: bool[q, kv]\n{src}")
+        visible = []
+        for b, m in enumerate(masks):
+            rows = np.repeat(m, GROUP, axis=0)  # fused row = query * group + member
+            if "causal" in src:
+                q_pos = kv[b] - qo[b] + np.arange(qo[b])
+                rows = rows & np.repeat(np.arange(kv[b])[None, :] <= q_pos[:, None], GROUP, 0)
+            visible.append(np.broadcast_to(rows, (NUM_KV_HEADS, *rows.shape)))
+        plans = {}
+        for chunk in (None, 100):
+            plans[chunk] = plan_mixed(qo, kv, num_kv_heads=NUM_KV_HEADS, group_size=GROUP,
+                                      decode=DECODE, prefill=PREFILL, kv_chunk_size=chunk,
+                                      mask=v.mask, head_dim=HEAD_DIM, pairs=pairs)
+            check_trimmed(plans[chunk], qo, kv, visible)
+        untrimmed = plan_mixed(qo, kv, num_kv_heads=NUM_KV_HEADS, group_size=GROUP,
+                               decode=DECODE, prefill=PREFILL, mask=v.mask, head_dim=HEAD_DIM)
+
+        def span(plan):
+            return sum(int((p.work_kv_end - p.work_kv_start).sum())
+                       for p in (plan.decode, plan.prefill))
+
+        assert span(plans[None]) < span(untrimmed)  # the blocks trimmed something
