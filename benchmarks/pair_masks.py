@@ -43,15 +43,9 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 
 
 def token_tree(rng, context: int, nodes: int) -> np.ndarray:
-    parent = [-1] + [int(rng.integers(-1, i)) for i in range(1, nodes)]
-    mask = np.zeros((nodes, context + nodes), bool)
-    mask[:, :context] = True
-    for i in range(nodes):
-        j = i
-        while j >= 0:
-            mask[i, context + j] = True
-            j = parent[j]
-    return mask
+    from attnlang.runtime.pairmask import tree_mask  # after import_attnlang put it on the path
+
+    return tree_mask([-1] + [int(rng.integers(-1, i)) for i in range(1, nodes)], context)
 
 
 def blocks(layout: np.ndarray, block: int, q: int, k: int) -> np.ndarray:

@@ -27,7 +27,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BLOCK_Q", "BLOCK_KV", "PairBlocks", "normalize", "pack", "packed_size"]
+__all__ = ["BLOCK_Q", "BLOCK_KV", "PairBlocks", "normalize", "pack", "packed_size",
+           "tree_mask"]
 
 BLOCK_Q, BLOCK_KV = 16, 32  # summary granularity: 16 query rows x 32 keys
 _HEADER = 32  # bytes before word_start
@@ -65,6 +66,26 @@ def normalize(value: Any, qo_lens: Sequence[int], kv_lens: Sequence[int],
     ends = np.cumsum([q * k for q, k in zip(qo, kv, strict=True)])
     return [seg.reshape(q, k) for seg, q, k in zip(np.split(flat, ends[:-1]), qo, kv,
                                                     strict=True)]
+
+
+def tree_mask(parents: Sequence[int], context: int) -> np.ndarray:
+    """A token tree's matrix for speculative decoding: [nodes, context + nodes], node i sees
+    the `context` committed tokens and its ancestors (itself included). parents[i] is node
+    i's parent, an earlier node, or -1 for a child of the context's last token.
+
+    >>> tree_mask([-1, 0, 0], context=2).astype(int).tolist()
+    [[1, 1, 1, 0, 0], [1, 1, 1, 1, 0], [1, 1, 1, 0, 1]]
+    """
+    nodes = len(parents)
+    mask = np.zeros((nodes, context + nodes), bool)
+    mask[:, :context] = True
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}] = {parent}: a parent is an earlier node or -1")
+        mask[i, context + i] = True
+        if parent >= 0:
+            mask[i, context:] |= mask[parent, context:]
+    return mask
 
 
 def _host(m: Any) -> Any:

@@ -9,6 +9,7 @@ import pytest
 
 import attnlang
 from attnlang.reference import attention_paged
+from attnlang.runtime import pairmask
 from attnlang.runtime.planner import CapacityError
 from tests.runtime.test_gpu_attention import (
     SHORT,
@@ -33,17 +34,10 @@ def cp():
 
 
 def token_tree(rng, context: int, nodes: int) -> np.ndarray:
-    """[nodes, context + nodes]: node i sees the context and its ancestors in a random tree
-    (each node's parent an earlier node, or the context's last token)."""
-    parent = np.array([-1] + [int(rng.integers(-1, i)) for i in range(1, nodes)])
-    mask = np.zeros((nodes, context + nodes), bool)
-    mask[:, :context] = True
-    for i in range(nodes):
-        j = i
-        while j >= 0:
-            mask[i, context + j] = True
-            j = parent[j]
-    return mask
+    """A random tree's mask (each node's parent an earlier node, or the context's last
+    token), as pairmask.tree_mask builds it."""
+    return pairmask.tree_mask([-1] + [int(rng.integers(-1, i)) for i in range(1, nodes)],
+                              context)
 
 
 def block_sparse(rng, q: int, k: int, block: int, density: float) -> np.ndarray:

@@ -99,3 +99,14 @@ def test_planner_blocks_are_sound():
         assert not (classes[i] == 0 and box.any()) and not (classes[i] == 2 and not box.all())
     assert set(np.unique(classes)) == {0, 1, 2}
     assert blocks.classify(0, 50, 60, 0, 10) == 1  # rows past the request: unknown
+
+
+def test_tree_mask_sees_ancestors_only():
+    parents = [-1, 0, 0, 1, 3, -1]
+    m = pairmask.tree_mask(parents, context=3)
+    assert m.shape == (6, 9) and m[:, :3].all()
+    ancestors = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 3, 4}, 5: {5}}
+    for i, seen in ancestors.items():
+        assert set(np.flatnonzero(m[i, 3:])) == seen
+    with pytest.raises(ValueError, match=r"parents\[1\] = 1: a parent is an earlier node"):
+        pairmask.tree_mask([-1, 1], context=0)
