@@ -47,6 +47,9 @@ struct Index {
   // A per-pair mask's bits of this row over the tile, when the kernel loaded them
   // (variant::pair_window); pair_bit then reads them, not memory.
   const PairWindow* pair_window = nullptr;
+  // The request's block summary of that mask, when the kernel found it once per work item
+  // (variant::pair_blocks); pair_tile then skips the header.
+  const unsigned char* pair_blocks = nullptr;
 };
 
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -195,14 +198,23 @@ __device__ __forceinline__ PairWindow make_pair_window(const unsigned char* base
   return win;
 }
 
+// Summary blocks of 16 rows x 32 keys (pairmask.BLOCK_Q, BLOCK_KV; a test keeps them equal).
+inline constexpr int kPairBlockQ = 16, kPairBlockKV = 32;
+
+// Request ix.batch's block summary in the buffer (what pair_tile reads).
+__device__ __forceinline__ const unsigned char* pair_blocks_of(const unsigned char* base,
+                                                               const Index& ix) {
+  const long long* head = reinterpret_cast<const long long*>(base);
+  return base + head[2] + head[4 + head[0] + ix.batch];
+}
+
 // The class of rows [row_lo, row_hi] x keys [col_lo, col_hi] of the request's matrix (0 all
 // false, 1 mixed, 2 all true) from the summary bytes of the blocks covering it.
 __device__ __forceinline__ int pair_tile(const unsigned char* base, const Index& ix, int row_lo,
                                          int row_hi, int col_lo, int col_hi) {
-  const long long* head = reinterpret_cast<const long long*>(base);
-  const int block_q = reinterpret_cast<const int*>(head + 3)[0];
-  const int block_kv = reinterpret_cast<const int*>(head + 3)[1];
-  const unsigned char* blocks = base + head[2] + head[4 + head[0] + ix.batch];
+  constexpr int block_q = kPairBlockQ, block_kv = kPairBlockKV;
+  const unsigned char* blocks = ix.pair_blocks != nullptr ? ix.pair_blocks
+                                                          : pair_blocks_of(base, ix);
   row_lo = imax(row_lo, 0), row_hi = imin(row_hi, ix.qo_len - 1);
   col_lo = imax(col_lo, 0), col_hi = imin(col_hi, ix.kv_len - 1);
   if (row_lo > row_hi || col_lo > col_hi) return 1;

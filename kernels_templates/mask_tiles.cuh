@@ -89,7 +89,8 @@ ATTNLANG_HD IvF iv_div(IvF a, IvF b) {
 ATTNLANG_HD IvI iv_mod(IvI a, IvI b) {
   if (b.lo != b.hi || b.lo == 0) return IvI::top();
   const long long m = (b.lo < 0 ? -b.lo : b.lo) - 1;
-  if (a.lo >= 0 && a.hi <= m) return a;
+  // Within one period of one sign, x % c grows with x (a point is the smallest such range).
+  if ((a.lo >= 0 || a.hi <= 0) && a.lo / b.lo == a.hi / b.lo) return {a.lo % b.lo, a.hi % b.lo};
   return {a.lo >= 0 ? 0 : -m, a.hi <= 0 ? 0 : m};
 }
 ATTNLANG_HD IvF iv_mod(IvF, IvF) { return IvF::top(); }
@@ -110,6 +111,9 @@ ATTNLANG_HD IvI iv_floormod(IvI a, IvI b) {
   if (b.lo != b.hi) return IvI::top();
   const long long c = b.lo;
   if (c == 0) return IvI::point(0);
+  // Within one period (one floor quotient), mod(x, c) grows with x.
+  const long long q = floor_div_ll(a.lo, c);
+  if (q == floor_div_ll(a.hi, c)) return {a.lo - q * c, a.hi - q * c};
   if (c > 0) return (a.lo >= 0 && a.hi < c) ? a : IvI{0, c - 1};
   return (a.hi <= 0 && a.lo > c) ? a : IvI{c + 1, 0};
 }

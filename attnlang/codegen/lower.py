@@ -276,14 +276,19 @@ def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool]:
 
 
 def _pair_window_hook(pairs: list[ir.ParamSpec]) -> str:
-    """The bits of a tile row of the variant's per-pair mask, when it has exactly one
-    (kPairWindow): kernels load them once per masked tile and row, and pair_bit reads them."""
-    sig = ("template <int kKeys>\n__device__ __forceinline__ ::attnlang::PairWindow "
-           "pair_window(const Params& p, const Index& ix, const int kv_lo)")
+    """Where the variant has exactly one per-pair mask (kPairWindow), the kernels load the
+    bits of a tile row once per masked tile (pair_window; pair_bit reads them) and find the
+    request's block summary once per work item (pair_blocks; pair_tile reads it)."""
+    window = ("template <int kKeys>\n__device__ __forceinline__ ::attnlang::PairWindow "
+              "pair_window(const Params& p, const Index& ix, const int kv_lo)")
+    blocks = ("__device__ __forceinline__ const unsigned char* pair_blocks(const Params& p, "
+              "const Index& ix)")
     if len(pairs) != 1:
-        return f"{sig} {{ return {{}}; }}  // unused: kPairWindow is false"
+        return (f"{window} {{ return {{}}; }}  // unused: kPairWindow is false\n"
+                f"{blocks} {{ return nullptr; }}  // unused")
     member = member_name(pairs[0].name)
-    return f"{sig} {{\n  return ::attnlang::make_pair_window<kKeys>(p.{member}, ix, kv_lo);\n}}"
+    return (f"{window} {{\n  return ::attnlang::make_pair_window<kKeys>(p.{member}, ix, kv_lo);"
+            f"\n}}\n{blocks} {{\n  return ::attnlang::pair_blocks_of(p.{member}, ix);\n}}")
 
 
 # ------------------------------------------------------------------------------ entry point

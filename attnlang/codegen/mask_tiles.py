@@ -170,13 +170,17 @@ class _NumpyIntervals:
         if e.fn == "mod" and e.type is not FLOAT:
             (alo, ahi), (blo, bhi) = args
             point = blo == bhi
-            c = np.where(point, blo, 1)
+            c = np.where(point & (blo != 0), blo, 1)
             pos_inside = (c > 0) & (alo >= 0) & (ahi < c)
             neg_inside = (c < 0) & (ahi <= 0) & (alo > c)
             lo = np.where(c > 0, 0, c + 1)
             hi = np.where(c > 0, c - 1, 0)
-            lo = np.where(pos_inside | neg_inside, alo, np.where(blo == 0, 0, lo))
-            hi = np.where(pos_inside | neg_inside, ahi, np.where(blo == 0, 0, hi))
+            # Within one period (one floor quotient), mod(x, c) grows with x.
+            q = alo // c
+            period = (q == ahi // c) & (blo != 0)
+            lo = np.where(period, alo - q * c, np.where(pos_inside | neg_inside, alo, lo))
+            hi = np.where(period, ahi - q * c, np.where(pos_inside | neg_inside, ahi, hi))
+            lo, hi = np.where(blo == 0, 0, lo), np.where(blo == 0, 0, hi)
             return np.where(point, lo, -_INT_TOP), np.where(point, hi, _INT_TOP)
         if e.fn in ("min", "max"):
             f = np.minimum if e.fn == "min" else np.maximum
@@ -242,13 +246,16 @@ def _arith(op, a, b, ty, top):
         hi = np.where(point, np.where(zero, 0, np.maximum(q1, q2)), top[1])
         return lo, hi
     if op == "%" and ty is not FLOAT:
-        # |x % c| < |c| and x % c has the sign of x (C semantics).
+        # |x % c| < |c| and x % c has the sign of x (C semantics); within one period of one
+        # sign (one truncated quotient), x % c grows with x.
         point = (blo == bhi) & (blo != 0)
         m = np.where(point, np.abs(blo) - 1, _INT_TOP)
         lo = np.where(alo >= 0, 0, -m)
         hi = np.where(ahi <= 0, 0, m)
-        inside = point & (alo >= 0) & (ahi <= m)  # already reduced: identity
-        return np.where(inside, alo, lo), np.where(inside, ahi, hi)
+        c = np.where(point, blo, 1)
+        q_lo, q_hi = np.trunc(alo / c).astype(np.int64), np.trunc(ahi / c).astype(np.int64)
+        period = point & ((alo >= 0) | (ahi <= 0)) & (q_lo == q_hi)
+        return np.where(period, alo - q_lo * c, lo), np.where(period, ahi - q_hi * c, hi)
     return top
 
 

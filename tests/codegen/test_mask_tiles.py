@@ -33,6 +33,8 @@ EXTRA_MASKS = {
     "sinks_or_window": "mask = kv_pos < 4 or (causal and q_pos - kv_pos <= 100)",
     "not_band": "mask = not (kv_pos > q_pos + 3)",
     "strided": "mask = kv_pos % 64 == 0 or kv_pos / 64 == q_pos / 64",
+    "checker": "mask = ((q_pos // 64) + (kv_pos // 64)) % 2 == 0",
+    "mod_columns": "mask = mod(kv_pos - 16, 64) < 32 and causal",
     "float_dist": "mask = 0.5 * (q_pos - kv_pos) < 40.0 and causal",
     "kv_len_tail": "mask = kv_len - kv_pos <= 200",
     "where_bool": "mask = where(q_pos > 300, causal, kv_pos < 50)",
@@ -148,6 +150,16 @@ def test_known_forms_are_precise():
     assert classify_tiles(None, _env(far)).tolist() == [FULL]
     # params are unknown at plan time: a param-bounded window is only PARTIAL there
     assert classify_tiles(VARIANTS["param_window"].mask, _env(far)).tolist() == [PARTIAL]
+    # % and mod() within one period are exact: a 64 x 64 checkerboard's blocks are decided,
+    # and so are the 32-key column blocks of a periodic mask (the kernels' column masking)
+    blocks = dict(far, q_lo=a([0, 64, 0]), q_hi=a([63, 127, 63]), kv_lo=a([0, 0, 64]),
+                  kv_hi=a([63, 63, 127]), batch=a([0] * 3), kv_head=a([0] * 3),
+                  qo_len=a([2000] * 3), kv_len=a([2000] * 3))
+    assert classify_tiles(VARIANTS["checker"].mask, _env(blocks)).tolist() == [FULL, EMPTY,
+                                                                                 EMPTY]
+    cols = dict(far, kv_lo=a([16, 48, 40]), kv_hi=a([47, 79, 71]))
+    assert classify_tiles(VARIANTS["mod_columns"].mask, _env(cols)).tolist() == [FULL, EMPTY,
+                                                                                  PARTIAL]
 
 
 def _literal(c: ir.Const) -> str:

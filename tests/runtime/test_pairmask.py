@@ -110,3 +110,12 @@ def test_tree_mask_sees_ancestors_only():
         assert set(np.flatnonzero(m[i, 3:])) == seen
     with pytest.raises(ValueError, match=r"parents\[1\] = 1: a parent is an earlier node"):
         pairmask.tree_mask([-1, 1], context=0)
+
+
+def test_block_sizes_match_the_kernels():
+    """common.cuh's pair_tile reads blocks of the sizes the packer writes."""
+    from tests.variant_files import ROOT
+
+    text = (ROOT / "kernels_templates" / "common.cuh").read_text()
+    assert (f"kPairBlockQ = {pairmask.BLOCK_Q}, kPairBlockKV = {pairmask.BLOCK_KV};"
+            in text)

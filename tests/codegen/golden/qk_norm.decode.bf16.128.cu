@@ -91,6 +91,9 @@ struct Index {
   // A per-pair mask's bits of this row over the tile, when the kernel loaded them
   // (variant::pair_window); pair_bit then reads them, not memory.
   const PairWindow* pair_window = nullptr;
+  // The request's block summary of that mask, when the kernel found it once per work item
+  // (variant::pair_blocks); pair_tile then skips the header.
+  const unsigned char* pair_blocks = nullptr;
 };
 
 inline constexpr float kLog2e = 1.4426950408889634f;
@@ -239,14 +242,23 @@ __device__ __forceinline__ PairWindow make_pair_window(const unsigned char* base
   return win;
 }
 
+// Summary blocks of 16 rows x 32 keys (pairmask.BLOCK_Q, BLOCK_KV; a test keeps them equal).
+inline constexpr int kPairBlockQ = 16, kPairBlockKV = 32;
+
+// Request ix.batch's block summary in the buffer (what pair_tile reads).
+__device__ __forceinline__ const unsigned char* pair_blocks_of(const unsigned char* base,
+                                                               const Index& ix) {
+  const long long* head = reinterpret_cast<const long long*>(base);
+  return base + head[2] + head[4 + head[0] + ix.batch];
+}
+
 // The class of rows [row_lo, row_hi] x keys [col_lo, col_hi] of the request's matrix (0 all
 // false, 1 mixed, 2 all true) from the summary bytes of the blocks covering it.
 __device__ __forceinline__ int pair_tile(const unsigned char* base, const Index& ix, int row_lo,
                                          int row_hi, int col_lo, int col_hi) {
-  const long long* head = reinterpret_cast<const long long*>(base);
-  const int block_q = reinterpret_cast<const int*>(head + 3)[0];
-  const int block_kv = reinterpret_cast<const int*>(head + 3)[1];
-  const unsigned char* blocks = base + head[2] + head[4 + head[0] + ix.batch];
+  constexpr int block_q = kPairBlockQ, block_kv = kPairBlockKV;
+  const unsigned char* blocks = ix.pair_blocks != nullptr ? ix.pair_blocks
+                                                          : pair_blocks_of(base, ix);
   row_lo = imax(row_lo, 0), row_hi = imin(row_hi, ix.qo_len - 1);
   col_lo = imax(col_lo, 0), col_hi = imin(col_hi, ix.kv_len - 1);
   if (row_lo > row_hi || col_lo > col_hi) return 1;
@@ -798,7 +810,8 @@ ATTNLANG_HD IvF iv_div(IvF a, IvF b) {
 ATTNLANG_HD IvI iv_mod(IvI a, IvI b) {
   if (b.lo != b.hi || b.lo == 0) return IvI::top();
   const long long m = (b.lo < 0 ? -b.lo : b.lo) - 1;
-  if (a.lo >= 0 && a.hi <= m) return a;
+  // Within one period of one sign, x % c grows with x (a point is the smallest such range).
+  if ((a.lo >= 0 || a.hi <= 0) && a.lo / b.lo == a.hi / b.lo) return {a.lo % b.lo, a.hi % b.lo};
   return {a.lo >= 0 ? 0 : -m, a.hi <= 0 ? 0 : m};
 }
 ATTNLANG_HD IvF iv_mod(IvF, IvF) { return IvF::top(); }
@@ -819,6 +832,9 @@ ATTNLANG_HD IvI iv_floormod(IvI a, IvI b) {
   if (b.lo != b.hi) return IvI::top();
   const long long c = b.lo;
   if (c == 0) return IvI::point(0);
+  // Within one period (one floor quotient), mod(x, c) grows with x.
+  const long long q = floor_div_ll(a.lo, c);
+  if (q == floor_div_ll(a.hi, c)) return {a.lo - q * c, a.hi - q * c};
   if (c > 0) return (a.lo >= 0 && a.hi < c) ? a : IvI{0, c - 1};
   return (a.hi <= 0 && a.lo > c) ? a : IvI{c + 1, 0};
 }
@@ -946,7 +962,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 950 "qk_norm_decode.cu"
+#line 966 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -980,7 +996,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 984 "qk_norm_decode.cu"
+#line 1000 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -991,7 +1007,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/qk_norm.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 995 "qk_norm_decode.cu"
+#line 1011 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1001,10 +1017,11 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/qk_norm.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1005 "qk_norm_decode.cu"
+#line 1021 "qk_norm_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
+__device__ __forceinline__ const unsigned char* pair_blocks(const Params& p, const Index& ix) { return nullptr; }  // unused
 
 }  // namespace variant
 
@@ -1461,7 +1478,9 @@ decode(const __nv_bfloat16* __restrict__ q,
     // Keys (and tiles) see no query head or position.
     const Index kv_ix{w.batch, /*head=*/-1, w.kv_head, w.qo_len, w.kv_len, /*q_pos=*/-1,
                       /*kv_pos=*/-1, num_heads, num_kv_heads, sm_scale};
-    const TileRange tiles{w, num_tiles, q_lo, q_hi, kv_ix};
+    Index tile_ix = kv_ix;  // a per-pair mask's block summary found once per item
+    if constexpr (variant::kPairWindow) tile_ix.pair_blocks = variant::pair_blocks(params, kv_ix);
+    const TileRange tiles{w, num_tiles, q_lo, q_hi, tile_ix};
 
     // Prologue: the first kStages - 1 visible tiles in flight, one commit group each (empty
     // groups past the end keep the group count uniform). Loads and the main loop walk the
