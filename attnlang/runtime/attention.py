@@ -593,12 +593,13 @@ class BatchAttention:
                                  f"params={{{name!r}: ...}} to plan(), one [qo_len, kv_len] "
                                  "bool matrix per request")
             masks = pairmask.normalize(params[name], inputs.qo_lens, inputs.kv_lens, name)
-            packed[name] = pairmask.pack(masks)
+            summary = pairmask.summaries(masks)  # the costly part: once for both views
+            packed[name] = pairmask.pack(masks, summary)
             if packed[name].nbytes > self.max_pair_mask_bytes:
                 raise CapacityError("max_pair_mask_bytes", packed[name].nbytes,
                                     self.max_pair_mask_bytes,
                                     f"bytes of the packed per-pair mask {name!r}")
-            blocks[name] = pairmask.PairBlocks(masks)
+            blocks[name] = pairmask.PairBlocks(masks, summary)
         return packed, blocks
 
     def _check_call(self, q, kv_cache, params, out, lse, sm_scale) -> _CheckedCall:

@@ -17,7 +17,9 @@ The summary is what plan-time scanning buys: the kernels skip a tile whose cover
 are all false and drop the per-element test where they are all true.
 
     masks = normalize(value, qo_lens, kv_lens, "allowed")   # one 2-D bool array per request
-    buffer = pack(masks)                                    # np.uint8, ready to upload
+    blocks = summaries(masks)                               # the block summary, once
+    buffer = pack(masks, blocks)                            # np.uint8, ready to upload
+    planner_view = PairBlocks(masks, blocks)
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import numpy as np
 
 __all__ = ["BLOCK_Q", "BLOCK_KV", "PairBlocks", "normalize", "pack", "packed_size",
-           "tree_mask"]
+           "summaries", "tree_mask"]
 
 BLOCK_Q, BLOCK_KV = 16, 32  # summary granularity: 16 query rows x 32 keys
 _HEADER = 32  # bytes before word_start
@@ -129,28 +131,37 @@ def _blocks_offset(batch: int, words: int) -> int:
     return _align16(_bits_offset(batch) + 4 * words)
 
 
-def pack(masks: Sequence[np.ndarray]) -> np.ndarray:
-    """The kernels' buffer (layout above) of one [qo_len, kv_len] bool array per request."""
+def summaries(masks: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Each request's block summary (bytes, `_summary`): what pack and PairBlocks both need,
+    and most of their cost (about 90 ms for an 8192 x 8192 mask), so computed once."""
+    return [_summary(m) for m in masks]
+
+
+def pack(masks: Sequence[np.ndarray], blocks: Sequence[np.ndarray] | None = None) -> np.ndarray:
+    """The kernels' buffer (layout above) of one [qo_len, kv_len] bool array per request;
+    blocks: their `summaries` (None: computed here)."""
+    if blocks is None:
+        blocks = summaries(masks)
     qo = [m.shape[0] for m in masks]
     kv = [m.shape[1] for m in masks]
-    words, blocks = _starts(qo, kv)
+    words, starts = _starts(qo, kv)
     batch = len(masks)
     bits_at, blocks_at = _bits_offset(batch), _blocks_offset(batch, int(words[-1]))
-    out = np.zeros(blocks_at + int(blocks[-1]) + _TAIL, np.uint8)
+    out = np.zeros(blocks_at + int(starts[-1]) + _TAIL, np.uint8)
     header = out[:_HEADER].view(np.int64)
     header[:3] = (batch, bits_at, blocks_at)
     out[24:32].view(np.int32)[:] = (BLOCK_Q, BLOCK_KV)
     out[_HEADER:_HEADER + 16 * batch].view(np.int64)[:] = np.concatenate([words[:-1],
-                                                                          blocks[:-1]])
+                                                                          starts[:-1]])
     bits = out[bits_at:bits_at + 4 * int(words[-1])]
-    summary = out[blocks_at:blocks_at + int(blocks[-1])]
+    summary = out[blocks_at:blocks_at + int(starts[-1])]
     for b, m in enumerate(masks):
         n = m.size
         if n == 0:
             continue
         packed = np.packbits(m.reshape(-1), bitorder="little")  # element k: bit k % 8 of byte k/8
         bits[4 * int(words[b]):4 * int(words[b]) + packed.shape[0]] = packed
-        summary[int(blocks[b]):int(blocks[b + 1])] = _summary(m).reshape(-1)
+        summary[int(starts[b]):int(starts[b + 1])] = blocks[b].reshape(-1)
     return out
 
 
@@ -177,12 +188,15 @@ class PairBlocks:
         blocks.classify(batch, row_lo, row_hi, col_lo, col_hi)   # int8 array
     """
 
-    def __init__(self, masks: Sequence[np.ndarray]):
+    def __init__(self, masks: Sequence[np.ndarray], blocks: Sequence[np.ndarray] | None = None):
+        """blocks: the masks' `summaries` (None: computed here)."""
+        if blocks is None:
+            blocks = summaries(masks)
         self.qo = np.array([m.shape[0] for m in masks], np.int64)
         self.kv = np.array([m.shape[1] for m in masks], np.int64)
         trues, falses, offsets, widths = [], [], [0], []
-        for m in masks:
-            s = _summary(m) if m.size else np.zeros((0, 0), np.uint8)
+        for m, s in zip(masks, blocks, strict=True):
+            s = s if m.size else np.zeros((0, 0), np.uint8)
             for bit, tables in ((1, trues), (2, falses)):
                 t = np.zeros((s.shape[0] + 1, s.shape[1] + 1), np.int64)
                 t[1:, 1:] = ((s & bit) != 0).cumsum(0).cumsum(1)

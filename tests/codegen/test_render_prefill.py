@@ -16,7 +16,14 @@ import pytest
 from attnlang.codegen import config
 from attnlang.codegen.lower import LINE_RESET, lower
 from attnlang.codegen.render import generated_name, render
-from tests.codegen.test_render import DECODE_ARGS, _toolchain_problem, by_id, entry_args, load
+from tests.codegen.test_render import (
+    DECODE_ARGS,
+    _toolchain_problem,
+    by_id,
+    entry_args,
+    head_dims,
+    load,
+)
 from tests.variant_files import CPU_HEAVY_IDS, VARIANT_FILES, VARIANT_IDS
 
 _PROBLEM = _toolchain_problem()
@@ -128,8 +135,7 @@ _MATRIX += [(v, "bfloat16", "192/128", a) for v in ("causal", "kitchen_sink", "r
 def test_prefill_compiles_without_spills(variant, dtype, head_dim, arch):
     from attnlang.runtime.compiler import compile_source
 
-    qk, _, vo = str(head_dim).partition("/")
-    qk, vo = int(qk), int(vo or qk)
+    qk, vo = head_dims(head_dim)
     hooks = lower(load(by_id(variant)))
     src = render(hooks, "prefill", dtype, qk, arch, vo)
     cubin = compile_source(src, arch, name=generated_name(hooks, "prefill"),

@@ -39,6 +39,8 @@ def test_bits_and_summary_round_trip():
     masks[2][16:32, 4096:] = False
     buf = pairmask.pack(masks)
     assert buf.shape[0] == pairmask.packed_size(qo, kv)
+    # plan() computes the summaries once for the buffer and the planner: the same bytes
+    assert np.array_equal(pairmask.pack(masks, pairmask.summaries(masks)), buf)
     batch, blocks, got, summaries = unpack(buf, qo, kv)
     assert batch == 5 and blocks == (BLOCK_Q, BLOCK_KV)
     for m, g, s in zip(masks, got, summaries, strict=True):
