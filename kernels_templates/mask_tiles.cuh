@@ -133,6 +133,13 @@ ATTNLANG_HD IvF iv_abs(IvF a) {
   const float l = fabsf(a.lo), h = fabsf(a.hi);
   return {(a.lo < 0.0f && a.hi > 0.0f) ? 0.0f : fmn(l, h), fmx(l, h)};
 }
+// A float interval widened by the margin that covers the fast intrinsics' error (comparisons
+// and int() take it; an infinite bound stays infinite).
+ATTNLANG_HD IvF widen(IvF a) {
+  const float m = 1e-4f * fmx(fabsf(a.lo), fabsf(a.hi)) + 1e-6f;
+  return {a.lo - m, a.hi + m};
+}
+
 // Monotone increasing functions map bounds to bounds (accurate versions: a bound is only
 // a bound if it is not rounded past the fast per-element value; the comparison margin
 // covers the difference).
@@ -145,6 +152,28 @@ ATTNLANG_HD IvF iv_sigmoid(IvF a) { return {1.0f / (1.0f + expf(-a.lo)), 1.0f / 
 ATTNLANG_HD IvF iv_softplus(IvF a) {
   return {fmx(a.lo, 0.0f) + log1pf(expf(-fabsf(a.lo))), fmx(a.hi, 0.0f) + log1pf(expf(-fabsf(a.hi)))};
 }
+// log and log2 grow on [0, inf) (log 0 = -inf); a negative argument gives NaN: unknown.
+ATTNLANG_HD IvF iv_log(IvF a) {
+  if (!(a.lo >= 0.0f)) return IvF::top();
+  return {logf(a.lo), logf(a.hi)};
+}
+ATTNLANG_HD IvF iv_log2(IvF a) {
+  if (!(a.lo >= 0.0f)) return IvF::top();
+  return {log2f(a.lo), log2f(a.hi)};
+}
+// int(): truncation toward zero of the float, saturating at the int32 bounds, NaN -> 0
+// (attnlang::float_to_int). Widened first like a comparison, so an argument the fast
+// per-element arithmetic rounds across an integer never truncates outside the interval.
+ATTNLANG_HD long long trunc_int32(float x) {
+  if (!(x > -2147483648.0f)) return -2147483648LL;  // also -inf; NaN is caught by the caller
+  if (!(x < 2147483648.0f)) return 2147483647LL;
+  return static_cast<long long>(x);  // truncates toward zero
+}
+ATTNLANG_HD IvI iv_int(IvF a) {
+  a = widen(a);
+  if (bad(a.lo) || bad(a.hi)) return {-2147483648LL, 2147483647LL};
+  return {trunc_int32(a.lo), trunc_int32(a.hi)};
+}
 ATTNLANG_HD IvI iv_where(int c, IvI a, IvI b) { return c == 2 ? a : c == 0 ? b : IvI{mn(a.lo, b.lo), mx(a.hi, b.hi)}; }
 ATTNLANG_HD IvF iv_where(int c, IvF a, IvF b) { return c == 2 ? a : c == 0 ? b : IvF{fmn(a.lo, b.lo), fmx(a.hi, b.hi)}; }
 
@@ -154,10 +183,6 @@ ATTNLANG_HD int tri_le(IvI a, IvI b) { return a.hi <= b.lo ? 2 : (a.lo > b.hi ? 
 ATTNLANG_HD int tri_eq(IvI a, IvI b) {
   if (a.lo == a.hi && b.lo == b.hi && a.lo == b.lo) return 2;
   return (a.hi < b.lo || b.hi < a.lo) ? 0 : 1;
-}
-ATTNLANG_HD IvF widen(IvF a) {
-  const float m = 1e-4f * fmx(fabsf(a.lo), fabsf(a.hi)) + 1e-6f;
-  return {a.lo - m, a.hi + m};
 }
 ATTNLANG_HD int tri_lt(IvF a, IvF b) {
   a = widen(a); b = widen(b);

@@ -48,6 +48,7 @@ from attnlang.codegen.c_expr import (
     uses_dim,
 )
 from attnlang.codegen.mask_tiles import lower_mask_tile
+from attnlang.codegen.tile_uniform import lower_uniform
 
 __all__ = ["Hooks", "KernelParam", "lower", "LINE_RESET", "expr_c"]
 
@@ -106,6 +107,7 @@ class Hooks:
     mask: str
     output: str
     mask_tile: str
+    uniform: str
     pair_window: str
     kernel_params: tuple[KernelParam, ...]
     params_init: str
@@ -133,7 +135,7 @@ class Hooks:
             self.flags,
             "",
             self.query, "", self.key, "", self.value, "", self.logits, "", self.mask, "",
-            self.output, "", self.mask_tile, "", self.pair_window,
+            self.output, "", self.mask_tile, "", self.uniform, "", self.pair_window,
             "",
             "}  // namespace variant",
         ]
@@ -258,6 +260,24 @@ def _scalar_hook(stage: str, e: ir.Expr | None, filename: str) -> tuple[str, boo
     return f"{sig} {{\n{out.text()}\n}}", out.used_line
 
 
+# How interval analyses render a scalar param and a table read at tile-invariant indices.
+_TILE_LEAVES = (lambda name: f"p.{member_name(name)}",
+                lambda e: table_c(e, lambda i: VARS[i.name]))
+
+
+def _uniform_hook(logits: ir.Expr | None, filename: str) -> str:
+    """The logits' tile-uniform terms (`attnlang.codegen.tile_uniform`): found by interval
+    tests per tile, applied by logits_uniform."""
+    made: list[_Lines] = []
+
+    def lines() -> _Lines:
+        made.append(_Lines(filename, _line_of(logits)))
+        return made[-1]
+
+    text = lower_uniform(logits, literal, *_TILE_LEAVES, lines)
+    return text + ("\n" + LINE_RESET if any(m.used_line for m in made) else "")
+
+
 _MASK_TILE_SIG = ("__device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, "
                   "const int kv_lo, const int kv_hi, const Params& p, const Index& ix)")
 
@@ -267,8 +287,7 @@ def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool]:
     of ix.kv_head; 0 every pair masked, 1 unknown, 2 every pair visible."""
     if mask is None:
         return f"{_MASK_TILE_SIG} {{ return 2; }}  // no mask: every pair visible", False
-    body = lower_mask_tile(mask, literal, lambda name: f"p.{member_name(name)}",
-                           lambda e: table_c(e, lambda i: VARS[i.name]))
+    body = lower_mask_tile(mask, literal, *_TILE_LEAVES)
     out = _Lines(filename, _line_of(mask))
     out.add("using namespace ::attnlang::mask_tiles;")
     out.user(f"return {body};", mask)
@@ -358,6 +377,7 @@ def lower(variant: ir.Variant) -> Hooks:
         flags=flags,
         **fns,
         mask_tile=mask_tile,
+        uniform=_uniform_hook(variant.logits, variant.filename),
         pair_window=_pair_window_hook(pairs),
         kernel_params=tuple(kernel_params),
         params_init=params_init,

@@ -32,10 +32,12 @@ import numpy as np
 from attnlang import ir
 from attnlang.ir import BOOL, FLOAT
 
-__all__ = ["EMPTY", "PARTIAL", "FULL", "TileEnv", "classify_tiles", "lower_mask_tile"]
+__all__ = ["EMPTY", "PARTIAL", "FULL", "TileEnv", "classify_tiles", "lower_mask_tile",
+           "lower_interval", "interval_of"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 _INT_TOP = 1 << 40  # bounds of an unknown int: far beyond any position or length
+_INT32 = 1 << 31  # int() saturates at -2^31 and 2^31 - 1
 _FLOAT_MARGIN_REL, _FLOAT_MARGIN_ABS = 1e-4, 1e-6
 
 
@@ -81,6 +83,11 @@ def classify_tiles(mask: ir.Expr | None, env: TileEnv) -> np.ndarray:
     if tri.shape == shape:  # already a fresh array of every tile: no broadcast, no copy
         return tri.astype(np.int8, copy=False)
     return np.broadcast_to(tri, shape).astype(np.int8)
+
+
+def interval_of(e: ir.Expr, env: TileEnv):
+    """(lo, hi) arrays bounding the int or float e over every tile of env (params unknown)."""
+    return _NumpyIntervals(env).iv(e)
 
 
 class _NumpyIntervals:
@@ -197,6 +204,18 @@ class _NumpyIntervals:
             lo, hi = args[0]
             with np.errstate(all="ignore"):
                 return _MONOTONE_UP[e.fn](lo), _MONOTONE_UP[e.fn](hi)
+        if e.fn in ("log", "log2"):  # grows on [0, inf); a negative argument gives NaN
+            lo, hi = args[0]
+            f = np.log if e.fn == "log" else np.log2
+            with np.errstate(all="ignore"):
+                ok = lo >= 0
+                return np.where(ok, f(np.where(ok, lo, 1.0)), -np.inf), np.where(ok, f(hi), np.inf)
+        if e.fn == "int":  # truncation, saturating at int32, of the widened float
+            lo, hi = _widen(*args[0])
+            with np.errstate(all="ignore"):
+                lo = np.where(np.isnan(lo), -_INT32, np.clip(np.nan_to_num(lo), -_INT32, _INT32 - 1))
+                hi = np.where(np.isnan(hi), _INT32 - 1, np.clip(np.nan_to_num(hi), -_INT32, _INT32 - 1))
+            return np.trunc(lo).astype(np.int64), np.trunc(hi).astype(np.int64)
         return self.top(e.type)
 
 
@@ -259,13 +278,18 @@ def _arith(op, a, b, ty, top):
     return top
 
 
+def _widen(lo, hi):
+    """A float interval widened by the margin that covers the kernel's float32 arithmetic
+    with fast intrinsics (comparisons and int() take it)."""
+    with np.errstate(all="ignore"):
+        m = _FLOAT_MARGIN_REL * np.maximum(abs(lo), abs(hi)) + _FLOAT_MARGIN_ABS
+        return lo - m, hi + m
+
+
 def _compare(op, a, b, is_float):
     (alo, ahi), (blo, bhi) = a, b
     if is_float:  # widen: the kernel computes floats in float32 with fast intrinsics
-        margin = lambda lo, hi: _FLOAT_MARGIN_REL * np.maximum(abs(lo), abs(hi)) + _FLOAT_MARGIN_ABS  # noqa: E731
-        with np.errstate(all="ignore"):
-            ma, mb = margin(alo, ahi), margin(blo, bhi)
-            alo, ahi, blo, bhi = alo - ma, ahi + ma, blo - mb, bhi + mb
+        (alo, ahi), (blo, bhi) = _widen(alo, ahi), _widen(blo, bhi)
     if op in (">", ">="):
         (alo, ahi), (blo, bhi), op = (blo, bhi), (alo, ahi), {">": "<", ">=": "<="}[op]
     if op == "<":
@@ -308,6 +332,13 @@ def lower_mask_tile(mask: ir.Expr | None, literal, param, table) -> str:
     if mask is None:
         return "2"
     return _CppIntervals(literal, param, table).tri(mask)
+
+
+def lower_interval(e: ir.Expr, literal, param, table) -> str:
+    """C++ expression (an IvI or IvF) bounding the int or float e over the tile, with the
+    leaves rendered as for `lower_mask_tile` (`attnlang.codegen.tile_uniform` bounds the
+    logits' integer terms with it)."""
+    return _CppIntervals(literal, param, table).iv(e)
 
 
 # Index variables that are one value over a whole tile.
@@ -372,7 +403,8 @@ class _CppIntervals:
             if e.fn == "where":
                 c, a, b = self.tri(e.args[0]), self.iv(e.args[1]), self.iv(e.args[2])
                 return f"iv_where({c}, {a}, {b})"
-            if e.fn in ("min", "max", "abs", "clamp", "mod") or e.fn in _MONOTONE_UP:
+            if e.fn in ("min", "max", "abs", "clamp", "mod", "log", "log2", "int") \
+                    or e.fn in _MONOTONE_UP:
                 args = ", ".join(self.iv(a) for a in e.args)
                 return f"iv_{'floormod' if e.fn == 'mod' else e.fn}({args})"
         return f"{kind}::top()"

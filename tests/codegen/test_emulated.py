@@ -110,6 +110,15 @@ def test_mask_tile_skipping(text, split, workdir):
                             kv_chunk_size=split, num_ctas=3), "bfloat16")
 
 
+@pytest.mark.parametrize("split", [None, 96])
+def test_tile_uniform_logits(split, workdir):
+    # T5's bucket is one value on every tile 128 keys or more behind the queries: those tiles
+    # take variant::logits_uniform, the others the per-key hook; both must match the reference.
+    v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index("t5_bias")])
+    check(emulator.run_case(v, workdir, qo_lens=(1, 5, 2), kv_lens=(420, 300, 9),
+                            kv_chunk_size=split, num_ctas=3), "bfloat16")
+
+
 @pytest.mark.parametrize("offset", [100_000, 3_000_000])
 def test_rope_at_large_positions(offset, workdir):
     # rope_norm_window adds offset[batch] to the positions of its rope (query) and

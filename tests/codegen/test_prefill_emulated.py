@@ -51,6 +51,10 @@ CASES = {
     # sub-tiles are skipped, unmasked or masked per element by its block summary.
     "spec-tree": ("examples/spec_tree.attn",
                   dict(qo_lens=(70, 1), kv_lens=(200, 50), kv_chunk_size=96)),
+    # T5's bucket: tiles 128 + 32 keys behind their queries see one bucket (the tile-uniform
+    # logits, variant::logits_uniform), the rest compute it per score; a decode request too.
+    "t5-uniform-tiles": ("examples/t5_bias.attn",
+                         dict(qo_lens=(40, 1), kv_lens=(400, 300), kv_chunk_size=224)),
     "kitchen-sink-192-128": ("tests/variants/kitchen_sink.attn",
                              dict(head_dim=192, head_dim_vo=128, qo_lens=(40, 1),
                                   kv_lens=(90, 33), kv_chunk_size=48)),

@@ -854,6 +854,13 @@ ATTNLANG_HD IvF iv_abs(IvF a) {
   const float l = fabsf(a.lo), h = fabsf(a.hi);
   return {(a.lo < 0.0f && a.hi > 0.0f) ? 0.0f : fmn(l, h), fmx(l, h)};
 }
+// A float interval widened by the margin that covers the fast intrinsics' error (comparisons
+// and int() take it; an infinite bound stays infinite).
+ATTNLANG_HD IvF widen(IvF a) {
+  const float m = 1e-4f * fmx(fabsf(a.lo), fabsf(a.hi)) + 1e-6f;
+  return {a.lo - m, a.hi + m};
+}
+
 // Monotone increasing functions map bounds to bounds (accurate versions: a bound is only
 // a bound if it is not rounded past the fast per-element value; the comparison margin
 // covers the difference).
@@ -866,6 +873,28 @@ ATTNLANG_HD IvF iv_sigmoid(IvF a) { return {1.0f / (1.0f + expf(-a.lo)), 1.0f / 
 ATTNLANG_HD IvF iv_softplus(IvF a) {
   return {fmx(a.lo, 0.0f) + log1pf(expf(-fabsf(a.lo))), fmx(a.hi, 0.0f) + log1pf(expf(-fabsf(a.hi)))};
 }
+// log and log2 grow on [0, inf) (log 0 = -inf); a negative argument gives NaN: unknown.
+ATTNLANG_HD IvF iv_log(IvF a) {
+  if (!(a.lo >= 0.0f)) return IvF::top();
+  return {logf(a.lo), logf(a.hi)};
+}
+ATTNLANG_HD IvF iv_log2(IvF a) {
+  if (!(a.lo >= 0.0f)) return IvF::top();
+  return {log2f(a.lo), log2f(a.hi)};
+}
+// int(): truncation toward zero of the float, saturating at the int32 bounds, NaN -> 0
+// (attnlang::float_to_int). Widened first like a comparison, so an argument the fast
+// per-element arithmetic rounds across an integer never truncates outside the interval.
+ATTNLANG_HD long long trunc_int32(float x) {
+  if (!(x > -2147483648.0f)) return -2147483648LL;  // also -inf; NaN is caught by the caller
+  if (!(x < 2147483648.0f)) return 2147483647LL;
+  return static_cast<long long>(x);  // truncates toward zero
+}
+ATTNLANG_HD IvI iv_int(IvF a) {
+  a = widen(a);
+  if (bad(a.lo) || bad(a.hi)) return {-2147483648LL, 2147483647LL};
+  return {trunc_int32(a.lo), trunc_int32(a.hi)};
+}
 ATTNLANG_HD IvI iv_where(int c, IvI a, IvI b) { return c == 2 ? a : c == 0 ? b : IvI{mn(a.lo, b.lo), mx(a.hi, b.hi)}; }
 ATTNLANG_HD IvF iv_where(int c, IvF a, IvF b) { return c == 2 ? a : c == 0 ? b : IvF{fmn(a.lo, b.lo), fmx(a.hi, b.hi)}; }
 
@@ -875,10 +904,6 @@ ATTNLANG_HD int tri_le(IvI a, IvI b) { return a.hi <= b.lo ? 2 : (a.lo > b.hi ? 
 ATTNLANG_HD int tri_eq(IvI a, IvI b) {
   if (a.lo == a.hi && b.lo == b.hi && a.lo == b.lo) return 2;
   return (a.hi < b.lo || b.hi < a.lo) ? 0 : 1;
-}
-ATTNLANG_HD IvF widen(IvF a) {
-  const float m = 1e-4f * fmx(fabsf(a.lo), fabsf(a.hi)) + 1e-6f;
-  return {a.lo - m, a.hi + m};
 }
 ATTNLANG_HD int tri_lt(IvF a, IvF b) {
   a = widen(a); b = widen(b);
@@ -947,7 +972,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 951 "gptj_rope_decode.cu"
+#line 976 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -969,7 +994,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 973 "gptj_rope_decode.cu"
+#line 998 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -980,7 +1005,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 7 "examples/gptj_rope.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 984 "gptj_rope_decode.cu"
+#line 1009 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -990,7 +1015,12 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 7 "examples/gptj_rope.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 994 "gptj_rope_decode.cu"
+#line 1019 "gptj_rope_decode.cu"
+
+inline constexpr int kUniformTerms = 0;
+struct Uniform { int v[1]; };
+__device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u) { return false; }  // no tile-uniform term
+__device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) { return logits(s, p, ix); }  // unused: kUniformTerms is 0
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
@@ -1245,6 +1275,15 @@ struct TileRange {
     const int kv_hi = imin(kv_lo + kTileKeys, w.kv_end) - 1;   // last key inside the item
     return variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
   }
+  // Are the logits' tile-uniform terms one value each over the tile? Their values go to
+  // `uni` (variant::uniform_tile). Always false for a variant without such terms.
+  __device__ __forceinline__ bool uniform(const int tile, const variant::Params& params,
+                                          variant::Uniform& uni) const {
+    if constexpr (variant::kUniformTerms == 0) return false;
+    const int kv_lo = w.kv_start + tile * kTileKeys;
+    const int kv_hi = imin(kv_lo + kTileKeys, w.kv_end) - 1;
+    return variant::uniform_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix, uni);
+  }
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
@@ -1267,15 +1306,18 @@ struct RowState {
 // slot order c -> key c ^ perm (perm = tx / (TX / kChunk)): it reads K and V rows in that
 // order and sums p with chunk_tree_sum, so only the order of its own o sums depends on it.
 // all_visible: the mask holds on every pair of the tile (its class), so the per-key mask is
-// skipped.
+// skipped. kUniform: the logits' tile-uniform terms are the values in `uni` over the tile
+// (TileRange::uniform), so variant::logits_uniform stands in for the logits hook.
 //   q_row: the row's transformed query, pre-scaled by sm_scale (and by log2 e when the
 //   softmax is on and there is no logits hook), so its dot is the logits hook's input.
+template <bool kUniform>
 __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[VEC],
                                             const T* k_stage, const T* v_stage,
                                             const int tile_start, const int kv_end,
                                             const bool all_visible, const int tz,
                                             const int TZ, const int tx, const int perm,
-                                            const variant::Params& params, Index ix) {
+                                            const variant::Params& params, Index ix,
+                                            const variant::Uniform& uni) {
   // A per-pair mask's bits of this row over the tile, loaded once (variant::pair_window);
   // the pointer is set either way, so the window can live in registers.
   PairWindow window{};
@@ -1308,7 +1350,11 @@ __device__ __forceinline__ void attend_tile(RowState& st, const float (&q_row)[V
         if (!all_visible) visible = visible && variant::mask(params, ix);
       }
       float s = score[c];
-      if constexpr (variant::kHasLogits) s = variant::logits(s, params, ix);  // s: the scaled dot
+      if constexpr (kUniform) {  // s: the scaled dot
+        s = variant::logits_uniform(s, params, ix, uni);
+      } else if constexpr (variant::kHasLogits) {
+        s = variant::logits(s, params, ix);
+      }
       if constexpr (variant::kSoftmax) {
         if constexpr (variant::kHasLogits) s *= kLog2e;
         score[c] = visible ? s : neg_inf();
@@ -1524,8 +1570,14 @@ decode(const __nv_bfloat16* __restrict__ q,
       }
       if (row_active) {
         const bool all_visible = tiles.mask_class(tile, params) == kTileAllVisible;
-        attend_tile(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz, TZ,
-                    tx, chunk_perm, params, row_ix);
+        variant::Uniform uni{};
+        if (tiles.uniform(tile, params, uni)) {  // uniform over the CTA
+          attend_tile<true>(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz,
+                            TZ, tx, chunk_perm, params, row_ix, uni);
+        } else {
+          attend_tile<false>(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz,
+                             TZ, tx, chunk_perm, params, row_ix, uni);
+        }
       }
       tile = tiles.next_visible(tile + 1, params);
     }
