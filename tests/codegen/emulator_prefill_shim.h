@@ -2,7 +2,7 @@
 // emulator_prefill.py): every lane of the warp deposits its operands in a per-warp exchange
 // area, the warp meets at a barrier, each lane computes its own results from the PTX ISA's
 // fragment tables, and the warp meets again before the area is reused.
-//   __ballot_sync, __any_sync, __shfl_sync (int)   full-warp masks only
+//   __ballot_sync, __any_sync   full-warp masks only (__shfl_sync: emulator_shim.h)
 //   ldmatrix .x4 (.trans)   lanes 8i .. 8i+7 address the rows of matrix i; lane l receives
 //                     (row l/4, cols 2(l%4) + {0,1}) of each, or the transpose
 //   mma m16n8k16      bf16 / f16 inputs, fp32 accumulation (exact products, float sums)
@@ -24,13 +24,6 @@ inline unsigned __ballot_sync(unsigned mask, bool pred) {
   emu_warp_sync(); return r;
 }
 inline int __any_sync(unsigned mask, bool pred) { return __ballot_sync(mask, pred) != 0; }
-inline int __shfl_sync(unsigned mask, int v, int src_lane) {
-  const int tid = emu_linear_tid(), lane = tid % 32, warp = tid / 32;
-  if (mask != 0xffffffffu) { fprintf(stderr, "EMU: partial shuffle\n"); std::_Exit(4); }
-  g_xchg[warp].v[lane][0] = static_cast<unsigned>(v); emu_warp_sync();
-  const int r = static_cast<int>(static_cast<unsigned>(g_xchg[warp].v[src_lane][0]));
-  emu_warp_sync(); return r;
-}
 inline uint16_t emu_ld16(unsigned off) { uint16_t x; memcpy(&x, emu_smem() + off, 2); return x; }
 inline void emu_ldmatrix(unsigned (&r)[4], unsigned addr, bool trans) {
   const int tid = emu_linear_tid(), lane = tid % 32, warp = tid / 32;

@@ -3,7 +3,8 @@
 //
 //   threads      one OS thread per CUDA thread of a block; blocks run one after another
 //   __syncthreads  a barrier over the block
-//   __shfl_xor_sync  a barrier over exactly the lanes named in the mask (per warp and mask):
+//   __shfl_sync (int, full warp), __shfl_xor_sync  a barrier over exactly the lanes named in
+//                the mask (per warp and mask):
 //                a lane missing from a shuffle it is named in deadlocks, which is reported
 //                (exit 3) instead of silently exchanging garbage
 //   cp.async     a per-thread queue of 16-byte copies, performed at issue (EMU_EAGER=1:
@@ -114,8 +115,10 @@ struct BlockState {
   std::mutex map_mutex;
   std::map<std::pair<int, unsigned>, std::unique_ptr<Barrier>> shfl_barriers;
   std::vector<float> shfl_vals;
+  std::vector<int> shfl_ints;
   BlockState(int nthreads, size_t smem_bytes)
-      : smem(smem_bytes + 64, 0xff), block_barrier(nthreads), shfl_vals(((nthreads + 31) / 32) * 32) {}
+      : smem(smem_bytes + 64, 0xff), block_barrier(nthreads), shfl_vals(((nthreads + 31) / 32) * 32),
+        shfl_ints(shfl_vals.size()) {}
   Barrier& shfl_barrier(int warp, unsigned mask) {
     std::lock_guard<std::mutex> lk(map_mutex);
     auto& b = shfl_barriers[{warp, mask}];
@@ -141,6 +144,18 @@ inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32)
   tl_block->shfl_vals[warp * 32 + lane] = v;
   b.wait();
   float r = tl_block->shfl_vals[warp * 32 + src];
+  b.wait();
+  return r;
+}
+
+// A full-warp shuffle of an int from lane src_lane (every lane of the warp must take part).
+inline int __shfl_sync(unsigned mask, int v, int src_lane) {
+  const int tid = emu_linear_tid(), lane = tid % 32, warp = tid / 32;
+  if (mask != 0xffffffffu) { fprintf(stderr, "EMU: partial shuffle\n"); std::_Exit(4); }
+  Barrier& b = tl_block->shfl_barrier(warp, mask);
+  tl_block->shfl_ints[warp * 32 + lane] = v;
+  b.wait();
+  const int r = tl_block->shfl_ints[warp * 32 + src_lane];
   b.wait();
   return r;
 }

@@ -990,6 +990,54 @@ __device__ __forceinline__ const unsigned char* pair_blocks(const Params& p, con
 
 }  // namespace variant
 
+// uniform_window.cuh: the logits' tile-uniform terms of a work item's KV tiles, 32 tiles at a
+// time (attnlang/codegen/tile_uniform.py). Spliced into the decode and prefill kernels after
+// the variant's hooks.
+//
+// variant::uniform_tile bounds the terms over one tile with interval arithmetic: a few hundred
+// instructions (accurate logs and divisions of the bounds), as much as a tile's softmax, so it
+// is not run per tile by every thread. Lane l of the warp evaluates tile base + l once per 32
+// tiles; a tile's answer is then two shuffles from its lane. Tiles must be asked for in
+// increasing order (both kernels walk their tiles so), by the whole warp.
+#pragma once
+
+namespace attnlang {
+
+template <int kTileKeys>
+struct UniformWindow {
+  int base = -(1 << 30);     // the tile lane 0 evaluated
+  bool lane_uniform = false;  // this lane's tile: every term one value ...
+  variant::Uniform lane_u{};  // ... these
+
+  // Are the terms one value each over tile `tile` (keys kv_start + tile kTileKeys, up to
+  // kv_end) and the queries [q_lo, q_hi]? Their values go to u.
+  __device__ __forceinline__ bool get(const int tile, const int lane, const int kv_start,
+                                      const int kv_end, const int q_lo, const int q_hi,
+                                      const variant::Params& params, const Index& tile_ix,
+                                      variant::Uniform& u) {
+    if constexpr (variant::kUniformTerms == 0) {
+      return false;
+    } else {
+      if (tile >= base + 32) {  // uniform over the warp
+        base = tile;
+        const int kv_lo = kv_start + (tile + lane) * kTileKeys;
+        lane_uniform = kv_lo < kv_end &&
+                       variant::uniform_tile(q_lo, q_hi, kv_lo, imin(kv_lo + kTileKeys, kv_end) - 1,
+                                             params, tile_ix, lane_u);
+      }
+      const int src = tile - base;
+#pragma unroll
+      for (int k = 0; k < variant::kUniformTerms; ++k) {
+        u.v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], src);
+      }
+      return __shfl_sync(0xffffffffu, lane_uniform ? 1 : 0, src) != 0;
+    }
+  }
+};
+
+}  // namespace attnlang
+
+
 namespace attnlang {
 namespace decode_kernel {
 
@@ -1237,15 +1285,6 @@ struct TileRange {
     const int kv_hi = imin(kv_lo + kTileKeys, w.kv_end) - 1;   // last key inside the item
     return variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
   }
-  // Are the logits' tile-uniform terms one value each over the tile? Their values go to
-  // `uni` (variant::uniform_tile). Always false for a variant without such terms.
-  __device__ __forceinline__ bool uniform(const int tile, const variant::Params& params,
-                                          variant::Uniform& uni) const {
-    if constexpr (variant::kUniformTerms == 0) return false;
-    const int kv_lo = w.kv_start + tile * kTileKeys;
-    const int kv_hi = imin(kv_lo + kTileKeys, w.kv_end) - 1;
-    return variant::uniform_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix, uni);
-  }
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
@@ -1441,6 +1480,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   const int group = num_heads / num_kv_heads;  // query heads per KV head
   const FastDivmod page_divmod(page_size);     // pos -> (page in the list, slot), per key
   const int chunk_perm = tx / (TX / kChunk);   // slot order of a chunk's keys (attend_tile)
+  const int lane = (tx + TX * (ty + R * tz)) & 31;  // in the warp (blocks are whole warps)
 
   T* const k_smem = reinterpret_cast<T*>(smem);       // [kStages][kTileKeys][kHeadDim]
   T* const v_smem = k_smem + kStages * kKStageElems;  // [kStages][kTileKeys][kHeadDimVO]
@@ -1460,6 +1500,7 @@ decode(const __nv_bfloat16* __restrict__ q,
     Index tile_ix = kv_ix;  // a per-pair mask's block summary found once per item
     if constexpr (variant::kPairWindow) tile_ix.pair_blocks = variant::pair_blocks(params, kv_ix);
     const TileRange tiles{w, num_tiles, q_lo, q_hi, tile_ix};
+    UniformWindow<kTileKeys> uniform_window;  // the logits' tile-uniform terms per tile
 
     // Prologue: the first kStages - 1 visible tiles in flight, one commit group each (empty
     // groups past the end keep the group count uniform). Loads and the main loop walk the
@@ -1530,10 +1571,12 @@ decode(const __nv_bfloat16* __restrict__ q,
         }
         cp_async_commit();
       }
+      variant::Uniform uni{};  // (the whole warp asks, row or not)
+      const bool uniform = uniform_window.get(tile, lane, w.kv_start, w.kv_end, q_lo, q_hi,
+                                              params, tile_ix, uni);
       if (row_active) {
         const bool all_visible = tiles.mask_class(tile, params) == kTileAllVisible;
-        variant::Uniform uni{};
-        if (tiles.uniform(tile, params, uni)) {  // uniform over the CTA
+        if (uniform) {  // uniform over the CTA
           attend_tile<true>(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz,
                             TZ, tx, chunk_perm, params, row_ix, uni);
         } else {
