@@ -174,10 +174,15 @@ __device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, 
   flat = flat * extent + axis.index;
   return table_offset(flat, rest...);
 }
+// The load is unconditional (element 0 stands in for an index outside; every table has one):
+// equal reads of one tile, such as a bias at a tile-uniform bucket, are then one load, where
+// a load behind each element's own branch stays one per element.
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
   int flat = 0;
-  return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+  const bool inside = table_offset(flat, axes...);
+  const T value = table[inside ? flat : 0];
+  return inside ? value : T(0);
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -970,7 +975,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/flamingo_xattn.attn"
   return ((attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192) != 0) && (attnlang::table_at(p.u_key_image, attnlang::Known{ix.batch}, 0, ix.kv_pos, 4096) == attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192)));
 }
-#line 974 "flamingo_xattn_decode.cu"
+#line 979 "flamingo_xattn_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -980,7 +985,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/flamingo_xattn.attn"
   return tri_and(tri_ne(IvI::top(), IvI::point(0)), tri_eq(IvI::top(), IvI::top()));
 }
-#line 984 "flamingo_xattn_decode.cu"
+#line 989 "flamingo_xattn_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

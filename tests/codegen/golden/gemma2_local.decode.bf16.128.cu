@@ -174,10 +174,15 @@ __device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, 
   flat = flat * extent + axis.index;
   return table_offset(flat, rest...);
 }
+// The load is unconditional (element 0 stands in for an index outside; every table has one):
+// equal reads of one tile, such as a bias at a tile-uniform bucket, are then one load, where
+// a load behind each element's own branch stays one per element.
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
   int flat = 0;
-  return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+  const bool inside = table_offset(flat, axes...);
+  const T value = table[inside ? flat : 0];
+  return inside ? value : T(0);
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -967,13 +972,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 8 "examples/gemma2_local.attn"
   return (p.u_cap * attnlang::tanh_approx((s * (1.0f / p.u_cap))));
 }
-#line 971 "gemma2_local_decode.cu"
+#line 976 "gemma2_local_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 9 "examples/gemma2_local.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.q_pos - ix.kv_pos) < 4096));
 }
-#line 977 "gemma2_local_decode.cu"
+#line 982 "gemma2_local_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -983,7 +988,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 9 "examples/gemma2_local.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(4096)));
 }
-#line 987 "gemma2_local_decode.cu"
+#line 992 "gemma2_local_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

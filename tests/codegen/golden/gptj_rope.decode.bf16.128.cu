@@ -174,10 +174,15 @@ __device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, 
   flat = flat * extent + axis.index;
   return table_offset(flat, rest...);
 }
+// The load is unconditional (element 0 stands in for an index outside; every table has one):
+// equal reads of one tile, such as a bias at a tile-uniform bucket, are then one load, where
+// a load behind each element's own branch stays one per element.
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
   int flat = 0;
-  return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+  const bool inside = table_offset(flat, axes...);
+  const T value = table[inside ? flat : 0];
+  return inside ? value : T(0);
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -972,7 +977,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 976 "gptj_rope_decode.cu"
+#line 981 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -994,7 +999,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 998 "gptj_rope_decode.cu"
+#line 1003 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1005,7 +1010,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 7 "examples/gptj_rope.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1009 "gptj_rope_decode.cu"
+#line 1014 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1015,7 +1020,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 7 "examples/gptj_rope.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1019 "gptj_rope_decode.cu"
+#line 1024 "gptj_rope_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

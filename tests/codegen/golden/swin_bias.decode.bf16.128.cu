@@ -174,10 +174,15 @@ __device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, 
   flat = flat * extent + axis.index;
   return table_offset(flat, rest...);
 }
+// The load is unconditional (element 0 stands in for an index outside; every table has one):
+// equal reads of one tile, such as a bias at a tile-uniform bucket, are then one load, where
+// a load behind each element's own branch stays one per element.
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
   int flat = 0;
-  return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+  const bool inside = table_offset(flat, axes...);
+  const T value = table[inside ? flat : 0];
+  return inside ? value : T(0);
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -967,7 +972,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 13 "examples/swin_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
 }
-#line 971 "swin_bias_decode.cu"
+#line 976 "swin_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) { return true; }  // identity
 

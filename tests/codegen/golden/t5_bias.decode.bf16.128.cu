@@ -174,10 +174,15 @@ __device__ __forceinline__ bool table_offset(int& flat, Known axis, int extent, 
   flat = flat * extent + axis.index;
   return table_offset(flat, rest...);
 }
+// The load is unconditional (element 0 stands in for an index outside; every table has one):
+// equal reads of one tile, such as a bias at a tile-uniform bucket, are then one load, where
+// a load behind each element's own branch stays one per element.
 template <typename T, typename... Axes>
 __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes) {
   int flat = 0;
-  return table_offset(flat, axes...) ? __ldg(table + flat) : T(0);
+  const bool inside = table_offset(flat, axes...);
+  const T value = table[inside ? flat : 0];
+  return inside ? value : T(0);
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -967,13 +972,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((attnlang::imax((ix.q_pos - ix.kv_pos), 0) < 16) ? attnlang::imax((ix.q_pos - ix.kv_pos), 0) : attnlang::imin((16 + attnlang::float_to_int(((__logf((((float)(attnlang::imax((ix.q_pos - ix.kv_pos), 0))) / 16.0f)) / 2.0794415416798357f) * 16.0f))), 31)), 32));
 }
-#line 971 "t5_bias_decode.cu"
+#line 976 "t5_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 19 "examples/t5_bias.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 977 "t5_bias_decode.cu"
+#line 982 "t5_bias_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -983,7 +988,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 19 "examples/t5_bias.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 987 "t5_bias_decode.cu"
+#line 992 "t5_bias_decode.cu"
 
 inline constexpr int kUniformTerms = 1;
 struct Uniform { int v[1]; };
@@ -998,7 +1003,7 @@ __device__ __forceinline__ float logits_uniform(const float s, const Params& p, 
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, u.v[0], 32));
 }
-#line 1002 "t5_bias_decode.cu"
+#line 1007 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
