@@ -1001,59 +1001,47 @@ __device__ __forceinline__ const unsigned char* pair_blocks(const Params& p, con
 
 }  // namespace variant
 
-// uniform_window.cuh: the logits' tile-uniform terms of a work item's keys, in blocks of 32
-// keys or whole tiles (attnlang/codegen/tile_uniform.py). Spliced into the decode and prefill kernels after
+// uniform_window.cuh: the logits' tile-uniform terms of a work item's KV tiles, 32 tiles at a
+// time (attnlang/codegen/tile_uniform.py). Spliced into the decode and prefill kernels after
 // the variant's hooks.
 //
-// variant::uniform_tile bounds the terms over one block with interval arithmetic: a few
-// hundred instructions (accurate logs and divisions of the bounds), as much as a tile's
-// softmax, so it is not run per block by every thread. Lane l of the warp evaluates block
-// base + l once per 32 blocks; a block's answer is then shuffles from its lane. Tiles must be
-// asked for in increasing order (both kernels walk their tiles so), by the whole warp.
+// variant::uniform_tile bounds the terms over one tile with interval arithmetic: a few hundred
+// instructions (accurate logs and divisions of the bounds), as much as a tile's softmax, so it
+// is not run per tile by every thread. Lane l of the warp evaluates tile base + l once per 32
+// tiles; a tile's answer is then two shuffles from its lane. Tiles must be asked for in
+// increasing order (both kernels walk their tiles so), by the whole warp.
 #pragma once
 
 namespace attnlang {
 
-// kKeys: keys per block (the prefill kernel's steps are masked in blocks of 32 keys; decode
-// takes whole tiles).
-template <int kTileKeys, int kKeys = (kTileKeys < 32 ? kTileKeys : 32)>
+template <int kTileKeys>
 struct UniformWindow {
-  static constexpr int kBlockKeys = kKeys;
-  static constexpr int kBlocks = kTileKeys / kKeys;  // blocks per tile
-  static_assert(kBlocks * kKeys == kTileKeys && kBlocks <= 32, "a tile is whole blocks");
-
-  int base = -(1 << 30);      // the block lane 0 evaluated
-  bool lane_uniform = false;  // this lane's block: every term one value ...
+  int base = -(1 << 30);     // the tile lane 0 evaluated
+  bool lane_uniform = false;  // this lane's tile: every term one value ...
   variant::Uniform lane_u{};  // ... these
 
-  // Bit i: every term is one value over block i of tile `tile` (keys kv_start + tile
-  // kTileKeys + kKeys i .., up to kv_end) and the queries [q_lo, q_hi]; its values in u[i].
-  __device__ __forceinline__ unsigned get(const int tile, const int lane, const int kv_start,
-                                          const int kv_end, const int q_lo, const int q_hi,
-                                          const variant::Params& params, const Index& tile_ix,
-                                          variant::Uniform (&u)[kBlocks]) {
+  // Are the terms one value each over tile `tile` (keys kv_start + tile kTileKeys, up to
+  // kv_end) and the queries [q_lo, q_hi]? Their values go to u.
+  __device__ __forceinline__ bool get(const int tile, const int lane, const int kv_start,
+                                      const int kv_end, const int q_lo, const int q_hi,
+                                      const variant::Params& params, const Index& tile_ix,
+                                      variant::Uniform& u) {
     if constexpr (variant::kUniformTerms == 0) {
-      return 0u;
+      return false;
     } else {
-      unsigned bits = 0u;
-#pragma unroll
-      for (int i = 0; i < kBlocks; ++i) {
-        const int block = tile * kBlocks + i;
-        if (block >= base + 32) {  // uniform over the warp
-          base = block;
-          const int kv_lo = kv_start + (block + lane) * kKeys;
-          lane_uniform = kv_lo < kv_end &&
-                         variant::uniform_tile(q_lo, q_hi, kv_lo, imin(kv_lo + kKeys, kv_end) - 1,
-                                               params, tile_ix, lane_u);
-        }
-        const int src = block - base;
-#pragma unroll
-        for (int k = 0; k < variant::kUniformTerms; ++k) {
-          u[i].v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], src);
-        }
-        bits |= static_cast<unsigned>(__shfl_sync(0xffffffffu, lane_uniform ? 1 : 0, src)) << i;
+      if (tile >= base + 32) {  // uniform over the warp
+        base = tile;
+        const int kv_lo = kv_start + (tile + lane) * kTileKeys;
+        lane_uniform = kv_lo < kv_end &&
+                       variant::uniform_tile(q_lo, q_hi, kv_lo, imin(kv_lo + kTileKeys, kv_end) - 1,
+                                             params, tile_ix, lane_u);
       }
-      return bits;
+      const int src = tile - base;
+#pragma unroll
+      for (int k = 0; k < variant::kUniformTerms; ++k) {
+        u.v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], src);
+      }
+      return __shfl_sync(0xffffffffu, lane_uniform ? 1 : 0, src) != 0;
     }
   }
 };
@@ -1524,7 +1512,7 @@ decode(const __nv_bfloat16* __restrict__ q,
     Index tile_ix = kv_ix;  // a per-pair mask's block summary found once per item
     if constexpr (variant::kPairWindow) tile_ix.pair_blocks = variant::pair_blocks(params, kv_ix);
     const TileRange tiles{w, num_tiles, q_lo, q_hi, tile_ix};
-    UniformWindow<kTileKeys, kTileKeys> uniform_window;  // the logits' tile-uniform terms
+    UniformWindow<kTileKeys> uniform_window;  // the logits' tile-uniform terms per tile
 
     // Prologue: the first kStages - 1 visible tiles in flight, one commit group each (empty
     // groups past the end keep the group count uniform). Loads and the main loop walk the
@@ -1595,17 +1583,17 @@ decode(const __nv_bfloat16* __restrict__ q,
         }
         cp_async_commit();
       }
-      variant::Uniform uni[1] = {};  // (the whole warp asks, row or not)
+      variant::Uniform uni{};  // (the whole warp asks, row or not)
       const bool uniform = uniform_window.get(tile, lane, w.kv_start, w.kv_end, q_lo, q_hi,
-                                              params, tile_ix, uni) != 0u;
+                                              params, tile_ix, uni);
       if (row_active) {
         const bool all_visible = tiles.mask_class(tile, params) == kTileAllVisible;
         if (uniform) {  // uniform over the CTA
           attend_tile<true>(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz,
-                            TZ, tx, chunk_perm, params, row_ix, uni[0]);
+                            TZ, tx, chunk_perm, params, row_ix, uni);
         } else {
           attend_tile<false>(st, q_row, k_stage, v_stage, tile_start, w.kv_end, all_visible, tz,
-                             TZ, tx, chunk_perm, params, row_ix, uni[0]);
+                             TZ, tx, chunk_perm, params, row_ix, uni);
         }
       }
       tile = tiles.next_visible(tile + 1, params);
