@@ -16,7 +16,9 @@ attnlang.reference on the last 4 query rows of each request (rel. L2 error, floa
 evaluation of the same bf16 inputs).
 
 Run from the repository root on the GPU machine:
-    python3 benchmarks/variants.py [--out $OUT]
+    python3 benchmarks/variants.py [--out $OUT] [--variants causal,softcap,alibi]
+                                   [--workloads decode]
+(alibi gets geometric slopes; other variants their params' defaults.)
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def params_for(torch, name: str, batch: int, rng) -> dict:
     if name == "t5_bias":
         return {"bias": torch.tensor(rng.standard_normal((HQ, 32)) * 0.5,
                                      dtype=torch.float32, device="cuda")}
+    if name == "alibi":
+        return {"slopes": torch.tensor(2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ),
+                                       dtype=torch.float32, device="cuda")}
     if name == "longformer":
         g = np.zeros((batch, 16384), bool)
         g[:, [0, 1, 2]] = True
@@ -57,13 +62,23 @@ def params_for(torch, name: str, batch: int, rng) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None)
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="examples/<name>.attn to run, comma-separated; causal first "
+                             "(the ratios' base)")
+    parser.add_argument("--workloads", default="",
+                        help="only the workloads whose name contains this (e.g. decode)")
     args = parser.parse_args()
+    names = [n for n in args.variants.split(",") if n]
+    if not names or names[0] != "causal":
+        parser.error("--variants must start with causal (the ratios are against it)")
     torch = C.torch_module()
     C.require_cuda()
     al = C.import_attnlang()
     rng = np.random.default_rng(0)
     rows = []
     for wl_name, (batch, qo_len, kv_len) in WORKLOADS.items():
+        if args.workloads not in wl_name:
+            continue
         pages_per = -(-kv_len // PAGE)
         num_pages = batch * pages_per
         k_cache = torch.randn(num_pages, PAGE, HKV, D, dtype=torch.bfloat16, device="cuda")
@@ -74,7 +89,7 @@ def main() -> int:
         kv_indptr = np.arange(batch + 1, dtype=np.int32) * pages_per
         last = np.full(batch, kv_len - (pages_per - 1) * PAGE, np.int32)
         base = None
-        for name in VARIANTS:
+        for name in names:
             if name in ("natten_tiled", "sandwich") and kv_len != 4096:
                 continue
             variant = al.load(ROOT / "examples" / f"{name}.attn")
