@@ -13,7 +13,7 @@ namespace attnlang {
 
 template <int kTileKeys>
 struct UniformWindow {
-  int base = -(1 << 30);     // the tile lane 0 evaluated
+  int base = -(1 << 30);      // the tile lane 0 evaluated
   bool lane_uniform = false;  // this lane's tile: every term one value ...
   variant::Uniform lane_u{};  // ... these
 

@@ -212,10 +212,7 @@ class _NumpyIntervals:
                 return np.where(ok, f(np.where(ok, lo, 1.0)), -np.inf), np.where(ok, f(hi), np.inf)
         if e.fn == "int":  # truncation, saturating at int32, of the widened float
             lo, hi = _widen(*args[0])
-            with np.errstate(all="ignore"):
-                lo = np.where(np.isnan(lo), -_INT32, np.clip(np.nan_to_num(lo), -_INT32, _INT32 - 1))
-                hi = np.where(np.isnan(hi), _INT32 - 1, np.clip(np.nan_to_num(hi), -_INT32, _INT32 - 1))
-            return np.trunc(lo).astype(np.int64), np.trunc(hi).astype(np.int64)
+            return _trunc_int32(lo, -_INT32), _trunc_int32(hi, _INT32 - 1)
         return self.top(e.type)
 
 
@@ -276,6 +273,13 @@ def _arith(op, a, b, ty, top):
         period = point & ((alo >= 0) | (ahi <= 0)) & (q_lo == q_hi)
         return np.where(period, alo - q_lo * c, lo), np.where(period, ahi - q_hi * c, hi)
     return top
+
+
+def _trunc_int32(x, nan_bound: int):
+    """x truncated toward zero and clamped to int32 (int64); a NaN bound becomes nan_bound."""
+    with np.errstate(all="ignore"):
+        x = np.clip(np.nan_to_num(np.where(np.isnan(x), nan_bound, x)), -_INT32, _INT32 - 1)
+        return np.trunc(x).astype(np.int64)
 
 
 def _widen(lo, hi):

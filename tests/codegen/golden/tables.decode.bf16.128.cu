@@ -1026,7 +1026,7 @@ namespace attnlang {
 
 template <int kTileKeys>
 struct UniformWindow {
-  int base = -(1 << 30);     // the tile lane 0 evaluated
+  int base = -(1 << 30);      // the tile lane 0 evaluated
   bool lane_uniform = false;  // this lane's tile: every term one value ...
   variant::Uniform lane_u{};  // ... these
 
@@ -1329,7 +1329,7 @@ struct RowState {
 // order and sums p with chunk_tree_sum, so only the order of its own o sums depends on it.
 // all_visible: the mask holds on every pair of the tile (its class), so the per-key mask is
 // skipped. kUniform: the logits' tile-uniform terms are the values in `uni` over the tile
-// (TileRange::uniform), so variant::logits_uniform stands in for the logits hook.
+// (UniformWindow), so variant::logits_uniform stands in for the logits hook.
 //   q_row: the row's transformed query, pre-scaled by sm_scale (and by log2 e when the
 //   softmax is on and there is no logits hook), so its dot is the logits hook's input.
 template <bool kUniform>
