@@ -265,7 +265,7 @@ _TILE_LEAVES = (lambda name: f"p.{member_name(name)}",
                 lambda e: table_c(e, lambda i: VARS[i.name]))
 
 
-def _uniform_hook(logits: ir.Expr | None, softmax: bool, filename: str) -> str:
+def _uniform_hook(logits: ir.Expr | None, filename: str) -> str:
     """The logits' tile-uniform terms (`attnlang.codegen.tile_uniform`): found by interval
     tests per tile, applied by logits_uniform."""
     made: list[_Lines] = []
@@ -274,7 +274,7 @@ def _uniform_hook(logits: ir.Expr | None, softmax: bool, filename: str) -> str:
         made.append(_Lines(filename, _line_of(logits)))
         return made[-1]
 
-    text = lower_uniform(logits, softmax, literal, *_TILE_LEAVES, lines)
+    text = lower_uniform(logits, literal, *_TILE_LEAVES, lines)
     return text + ("\n" + LINE_RESET if any(m.used_line for m in made) else "")
 
 
@@ -377,7 +377,7 @@ def lower(variant: ir.Variant) -> Hooks:
         flags=flags,
         **fns,
         mask_tile=mask_tile,
-        uniform=_uniform_hook(variant.logits, variant.softmax, variant.filename),
+        uniform=_uniform_hook(variant.logits, variant.filename),
         pair_window=_pair_window_hook(pairs),
         kernel_params=tuple(kernel_params),
         params_init=params_init,

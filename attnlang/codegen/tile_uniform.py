@@ -35,7 +35,7 @@ from attnlang import ir
 from attnlang.codegen.c_expr import Env, children, expr_c
 from attnlang.codegen.mask_tiles import TileEnv, interval_of, lower_interval
 
-__all__ = ["uniform_terms", "row_bias", "lower_uniform"]
+__all__ = ["uniform_terms", "lower_uniform"]
 
 # More terms than this are left per score (each costs an interval evaluation per tile).
 MAX_TERMS = 4
@@ -106,53 +106,19 @@ _LOGITS_SIG = ("__device__ __forceinline__ float logits_uniform(const float s, c
                "const Index& ix, const Uniform& u)")
 
 
-_ROW_BIAS_SIG = ("__device__ __forceinline__ float uniform_row_bias(const Params& p, "
-                 "const Index& ix, const Uniform& u)")
-
-
-def row_bias(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> ir.Expr | None:
-    """R where the logits are `logits + R` (or `R + logits`) and R, its terms held at their
-    tile values, reads neither `logits` nor `kv_pos`: on a uniform tile R is one number per
-    query row, which the softmax can add to the row's offset instead of to every score.
-
-    >>> import attnlang as al
-    >>> v = al.load("examples/t5_bias.attn")
-    >>> type(row_bias(v.logits, uniform_terms(v.logits))).__name__
-    'ParamIndex'
-    """
-    if not terms or not (isinstance(logits, ir.Binary) and logits.op == "+"):
-        return None
-
-    def reads_pair(e: ir.Expr) -> bool:
-        if e in terms:
-            return False
-        if isinstance(e, ir.Var) and e.name in ("logits", "kv_pos"):
-            return True
-        return any(reads_pair(c) for c in children(e))
-
-    for score, rest in ((logits.a, logits.b), (logits.b, logits.a)):
-        if isinstance(score, ir.Var) and score.name == "logits" and not reads_pair(rest):
-            return rest
-    return None
-
-
-def lower_uniform(logits: ir.Expr | None, softmax: bool, literal, param, table, lines) -> str:
-    """The C++ of `kUniformTerms`, `Uniform`, `uniform_tile`, `logits_uniform`,
-    `kUniformRowBias` and `uniform_row_bias` (the R of `row_bias`, softmax variants only).
+def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
+    """The C++ of `kUniformTerms`, `Uniform`, `uniform_tile` and `logits_uniform`.
 
     literal, param and table render the interval leaves as for `mask_tile`; `lines()` returns
     a fresh statement collector (lower._Lines) whose `user` lines carry `#line` directives.
     """
     terms = uniform_terms(logits)
-    bias = row_bias(logits, terms) if softmax else None
     head = [f"inline constexpr int kUniformTerms = {len(terms)};",
-            f"struct Uniform {{ int v[{max(len(terms), 1)}]; }};",
-            f"inline constexpr bool kUniformRowBias = {'true' if bias is not None else 'false'};"]
+            f"struct Uniform {{ int v[{max(len(terms), 1)}]; }};"]
     if not terms:
         return "\n".join(head + [
             f"{_TILE_SIG} {{ return false; }}  // no tile-uniform term",
-            f"{_LOGITS_SIG} {{ return logits(s, p, ix); }}  // unused: kUniformTerms is 0",
-            f"{_ROW_BIAS_SIG} {{ return 0.0f; }}  // unused"])
+            f"{_LOGITS_SIG} {{ return logits(s, p, ix); }}  // unused: kUniformTerms is 0"])
     tile = lines()
     tile.add("using namespace ::attnlang::mask_tiles;")
     tests = []
@@ -164,11 +130,5 @@ def lower_uniform(logits: ir.Expr | None, softmax: bool, literal, param, table, 
     env = Env("logits", hoisted=tuple((t, f"u.v[{k}]") for k, t in enumerate(terms)))
     body = lines()
     body.user(f"return {expr_c(logits, env)};", logits)
-    if bias is None:
-        row = f"{_ROW_BIAS_SIG} {{ return 0.0f; }}  // unused: kUniformRowBias is false"
-    else:
-        row_lines = lines()
-        row_lines.user(f"return {expr_c(bias, env)};", bias)
-        row = f"{_ROW_BIAS_SIG} {{\n{row_lines.text()}\n}}"
     return "\n".join(head + [f"{_TILE_SIG} {{\n{tile.text()}\n}}",
-                             f"{_LOGITS_SIG} {{\n{body.text()}\n}}", row])
+                             f"{_LOGITS_SIG} {{\n{body.text()}\n}}"])

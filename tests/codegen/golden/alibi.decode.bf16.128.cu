@@ -992,10 +992,8 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };
-inline constexpr bool kUniformRowBias = false;
 __device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u) { return false; }  // no tile-uniform term
 __device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) { return logits(s, p, ix); }  // unused: kUniformTerms is 0
-__device__ __forceinline__ float uniform_row_bias(const Params& p, const Index& ix, const Uniform& u) { return 0.0f; }  // unused
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

@@ -992,7 +992,6 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 
 inline constexpr int kUniformTerms = 1;
 struct Uniform { int v[1]; };
-inline constexpr bool kUniformRowBias = true;
 __device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u) {
   using namespace ::attnlang::mask_tiles;
 #line 16 "examples/t5_bias.attn"
@@ -1004,11 +1003,7 @@ __device__ __forceinline__ float logits_uniform(const float s, const Params& p, 
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, u.v[0], 32));
 }
-__device__ __forceinline__ float uniform_row_bias(const Params& p, const Index& ix, const Uniform& u) {
-#line 18 "examples/t5_bias.attn"
-  return attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, u.v[0], 32);
-}
-#line 1012 "t5_bias_decode.cu"
+#line 1007 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
