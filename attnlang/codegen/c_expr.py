@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from attnlang import ir
 from attnlang.ir import BOOL, FLOAT, INT
 
-__all__ = ["Env", "expr_c", "table_c", "member_name", "literal", "c_string", "children",
+__all__ = ["Env", "expr_c", "table_c", "span_c", "member_name", "literal", "c_string", "children",
            "uses_dim", "CTYPE", "TENSOR_CTYPE", "REDUCE", "ROPE", "VARS"]
 
 CTYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
@@ -294,11 +294,28 @@ def table_c(e: ir.ParamIndex, index_c) -> str:
     if e.extents == ir.PAIR_EXTENTS:
         row, col = (index_c(i) for i in e.indices)
         return f"attnlang::pair_bit(p.{member_name(e.name)}, ix, {row}, {col})"
-    axes = ", ".join(f"attnlang::Known{{{index_c(i)}}}, {_EXTENT_C[n]}" if isinstance(n, str)
-                     else f"{index_c(i)}, {n}"
-                     for i, n in zip(e.indices, e.extents, strict=True))
-    read = f"attnlang::table_at(p.{member_name(e.name)}, {axes})"
+    read = f"attnlang::table_at(p.{member_name(e.name)}, {_axes(e.indices, e.extents, index_c)})"
     return f"({read} != 0)" if e.type is BOOL else read
+
+
+def _axes(indices, extents, index_c) -> str:
+    """table_at's (index, extent) arguments, a named extent's index as `Known`."""
+    return ", ".join(f"attnlang::Known{{{index_c(i)}}}, {_EXTENT_C[n]}" if isinstance(n, str)
+                     else f"{index_c(i)}, {n}" for i, n in zip(indices, extents, strict=True))
+
+
+def span_c(e: ir.ParamIndex, index_c) -> str:
+    """C text (a tri: 0 all false, 1 mixed, 2 all true) of a bool table read over a tile,
+    where its last index is kv_pos (the tile's keys kv_lo..kv_hi) or q_pos (its queries
+    q_lo..q_hi) and index_c renders the others (one value per tile): common.cuh's span_tri
+    scans that stretch of the row."""
+    *rest, position = e.indices
+    *rest_extents, last = e.extents
+    lo, hi = ("kv_lo", "kv_hi") if position.name == "kv_pos" else ("q_lo", "q_hi")
+    axes = _axes(rest, rest_extents, index_c)
+    extent = _EXTENT_C[last] if isinstance(last, str) else str(last)
+    return (f"attnlang::span_tri(p.{member_name(e.name)}, {lo}, {hi}, {extent}"
+            f"{', ' + axes if axes else ''})")
 
 
 def _has_param(e: ir.Expr) -> bool:

@@ -44,6 +44,7 @@ from attnlang.codegen.c_expr import (
     expr_c,
     literal,
     member_name,
+    span_c,
     table_c,
     uses_dim,
 )
@@ -287,7 +288,8 @@ def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool]:
     of ix.kv_head; 0 every pair masked, 1 unknown, 2 every pair visible."""
     if mask is None:
         return f"{_MASK_TILE_SIG} {{ return 2; }}  // no mask: every pair visible", False
-    body = lower_mask_tile(mask, literal, *_TILE_LEAVES)
+    body = lower_mask_tile(mask, literal, *_TILE_LEAVES,
+                           lambda e: span_c(e, lambda i: expr_c(i, Env("mask"))))
     out = _Lines(filename, _line_of(mask))
     out.add("using namespace ::attnlang::mask_tiles;")
     out.user(f"return {body};", mask)

@@ -324,18 +324,21 @@ _CPP_VAR = {"batch": "ix.batch", "kv_head": "ix.kv_head", "qo_len": "ix.qo_len",
             "num_kv_heads": "ix.num_kv_heads", "head_dim": "kHeadDim", "sm_scale": "ix.sm_scale"}
 
 
-def lower_mask_tile(mask: ir.Expr | None, literal, param, table) -> str:
+def lower_mask_tile(mask: ir.Expr | None, literal, param, table, span=None) -> str:
     """C++ expression (an int: 0 EMPTY, 1 PARTIAL, 2 FULL) classifying the tile whose bounds
     are the variables q_lo, q_hi, kv_lo, kv_hi, given `p` (Params) and `ix` (Index).
 
     The lowering's own rules render the leaves: `literal(const)` an ir.Const, `param(name)`
     a scalar param (or a per-pair mask's buffer), `table(e)` a tensor read whose indices
-    are all `batch` / `kv_head`. A per-pair mask's class over the tile comes from the block
-    summary plan() stored beside its bits (common.cuh, pair_tile).
+    are all `batch` / `kv_head`, and `span(e)` (optional) the class of a bool table read at
+    kv_pos or q_pos along its last axis (`is_global[batch, kv_pos]`, `span_axis`) over the
+    tile's keys or queries. A per-pair
+    mask's class over the tile comes from the block summary plan() stored beside its bits
+    (common.cuh, pair_tile).
     """
     if mask is None:
         return "2"
-    return _CppIntervals(literal, param, table).tri(mask)
+    return _CppIntervals(literal, param, table, span).tri(mask)
 
 
 def lower_interval(e: ir.Expr, literal, param, table) -> str:
@@ -345,15 +348,28 @@ def lower_interval(e: ir.Expr, literal, param, table) -> str:
     return _CppIntervals(literal, param, table).iv(e)
 
 
+def span_axis(e: ir.ParamIndex) -> str | None:
+    """'kv_pos' or 'q_pos' where e is a bool table read at that position along its last
+    axis, its other indices one value per tile (`is_global[batch, kv_pos]`): the kernels
+    class it over a tile by scanning that stretch of the row. Else None."""
+    *rest, last = e.indices
+    if (e.type is BOOL and isinstance(last, ir.Var) and last.name in ("kv_pos", "q_pos")
+            and all(isinstance(i, ir.Const) or (isinstance(i, ir.Var) and i.name in
+                                                _TILE_INVARIANT) for i in rest)):
+        return last.name
+    return None
+
+
 # Index variables that are one value over a whole tile.
 _TILE_INVARIANT = ("batch", "kv_head")
 
 
 class _CppIntervals:
-    def __init__(self, literal, param, table):
+    def __init__(self, literal, param, table, span=None):
         self.literal = literal
         self.param = param
         self.table = table
+        self.span = span
 
     def tri(self, e: ir.Expr) -> str:
         if isinstance(e, ir.Const):
@@ -375,6 +391,8 @@ class _CppIntervals:
             # The checker made its indices (q_row, kv_pos): the box in rows of the request.
             return (f"attnlang::pair_tile({self.param(e.name)}, ix, q_lo - (ix.kv_len - "
                     f"ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi)")
+        if isinstance(e, ir.ParamIndex) and self.span is not None and span_axis(e):
+            return self.span(e)  # a per-token bool table: its row over the tile's positions
         return "1"
 
     def iv(self, e: ir.Expr) -> str:

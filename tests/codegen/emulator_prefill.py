@@ -87,9 +87,10 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
              num_heads: int = 4, num_kv_heads: int = 2, qo_lens=(40, 1), kv_lens=(90, 33),
              page_size: int = 16, num_ctas: int = 3, kv_chunk_size: int | None = None,
              sm_scale: float | None = None, eager: bool = False, seed: int = 0,
-             head_dim_vo: int | None = None) -> Result:
+             head_dim_vo: int | None = None, params: dict | None = None) -> Result:
     """Plan a random paged batch with plan_mixed, run decode / prefill / merge emulated (each
-    only if it has work), compare with the reference. Outputs and partials start as NaN."""
+    only if it has work), compare with the reference. Outputs and partials start as NaN.
+    params: run-time params to use instead of random ones (by name)."""
     rng = np.random.default_rng(seed)
     group = num_heads // num_kv_heads
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
@@ -107,7 +108,7 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     k_bits, k = base._to_bits(rng.standard_normal(cache_shape), dtype)
     v_bits, vv = base._to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
     sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
-    params = base._params(v, rng, sizes, kv_lens, None, qo_lens)
+    params = base._params(v, rng, sizes, kv_lens, params, qo_lens)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)

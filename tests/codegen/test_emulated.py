@@ -119,6 +119,19 @@ def test_tile_uniform_logits(split, workdir):
                             kv_chunk_size=split, num_ctas=3), "bfloat16")
 
 
+@pytest.mark.parametrize("split", [None, 160])
+def test_per_token_tables_skip_tiles(split, workdir):
+    # Longformer in decode: tiles far behind the window whose keys hold no global token are
+    # skipped (is_global[batch, kv_pos] scanned per tile), the rest computed.
+    v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index("longformer")])
+    g = np.zeros((3, 16384), bool)
+    g[0, [5, 700]] = True
+    g[1, 300] = True
+    check(emulator.run_case(v, workdir, qo_lens=(1, 2, 1), kv_lens=(1000, 800, 9),
+                            kv_chunk_size=split, num_ctas=3, params={"is_global": g}),
+          "bfloat16")
+
+
 @pytest.mark.parametrize("offset", [100_000, 3_000_000])
 def test_rope_at_large_positions(offset, workdir):
     # rope_norm_window adds offset[batch] to the positions of its rope (query) and

@@ -8,6 +8,7 @@ compared where finite and must be -inf exactly where the reference's is; nothing
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 import attnlang
@@ -59,6 +60,26 @@ CASES = {
                              dict(head_dim=192, head_dim_vo=128, qo_lens=(40, 1),
                                   kv_lens=(90, 33), kv_chunk_size=48)),
 }
+
+
+def _few_globals() -> dict:
+    g = np.zeros((2, 16384), bool)
+    g[0, [5, 700]] = True  # request 0: two global tokens, one a query
+    g[1, 300] = True
+    return {"is_global": g}
+
+
+@pytest.mark.parametrize("split", [None, 256])
+def test_per_token_tables_skip_tiles(split, workdir):
+    # Longformer: a 256 window either side, global tokens read from is_global[batch, kv_pos]
+    # and [batch, q_pos]. Tiles far from the window whose keys and queries hold no global
+    # token are skipped (the table's stretch scanned per tile), the others computed.
+    v = attnlang.load(ROOT / "examples/longformer.attn")
+    r = emulator_prefill.run_case(v, workdir / f"longformer-{split}", qo_lens=(40, 1),
+                                  kv_lens=(1000, 700), kv_chunk_size=split,
+                                  params=_few_globals())
+    assert r.prefill_items > 0 and not r.has_nan, r
+    assert r.rel_err <= TOL["bfloat16"], r
 
 
 @pytest.mark.parametrize("name", list(CASES))

@@ -185,6 +185,24 @@ __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes)
   return inside ? value : T(0);
 }
 
+// The class of a bool table over the positions [lo, hi] along its last axis (the mask
+// analysis's tri: 0 every one false, 1 mixed, 2 every one true), for `is_global[batch,
+// kv_pos]` over a tile's keys: axes as table_at's for the other indices. Positions outside
+// the axis, and other indices outside the table, read false. The scan stops once mixed.
+template <typename... Axes>
+__device__ __forceinline__ int span_tri(const unsigned char* __restrict__ table, const int lo,
+                                        const int hi, const int extent, Axes... axes) {
+  int flat = 0;
+  if (!table_offset(flat, axes..., Known{0}, extent)) return 0;
+  bool any = false, all = lo >= 0 && hi < extent;
+  for (int i = imax(lo, 0); i <= imin(hi, extent - 1) && (all || !any); ++i) {
+    const bool x = table[flat + i] != 0;
+    any = any || x;
+    all = all && x;
+  }
+  return all ? 2 : any ? 1 : 0;
+}
+
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
 // into one buffer: a header of int64 {requests B, bits offset, blocks offset, (block_q,
 // block_kv) as two int32}, then int64 word_start[B] and block_start[B]. Request b's matrix
@@ -970,7 +988,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) / 1.7320508075688772f);
   }
 }
-#line 974 "kitchen_sink_decode.cu"
+#line 992 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1017,19 +1035,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1021 "kitchen_sink_decode.cu"
+#line 1039 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) / 1.4142135623730951f) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1027 "kitchen_sink_decode.cu"
+#line 1045 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1033 "kitchen_sink_decode.cu"
+#line 1051 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1052,14 +1070,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1056 "kitchen_sink_decode.cu"
+#line 1074 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1063 "kitchen_sink_decode.cu"
+#line 1081 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

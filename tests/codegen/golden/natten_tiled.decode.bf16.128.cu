@@ -185,6 +185,24 @@ __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes)
   return inside ? value : T(0);
 }
 
+// The class of a bool table over the positions [lo, hi] along its last axis (the mask
+// analysis's tri: 0 every one false, 1 mixed, 2 every one true), for `is_global[batch,
+// kv_pos]` over a tile's keys: axes as table_at's for the other indices. Positions outside
+// the axis, and other indices outside the table, read false. The scan stops once mixed.
+template <typename... Axes>
+__device__ __forceinline__ int span_tri(const unsigned char* __restrict__ table, const int lo,
+                                        const int hi, const int extent, Axes... axes) {
+  int flat = 0;
+  if (!table_offset(flat, axes..., Known{0}, extent)) return 0;
+  bool any = false, all = lo >= 0 && hi < extent;
+  for (int i = imax(lo, 0); i <= imin(hi, extent - 1) && (all || !any); ++i) {
+    const bool x = table[flat + i] != 0;
+    any = any || x;
+    all = all && x;
+  }
+  return all ? 2 : any ? 1 : 0;
+}
+
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
 // into one buffer: a header of int64 {requests B, bits offset, blocks offset, (block_q,
 // block_kv) as two int32}, then int64 word_start[B] and block_start[B]. Request b's matrix
@@ -972,7 +990,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 22 "examples/natten_tiled.attn"
   return ((((((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) >= attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57)) && (((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) < (attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57) + 7))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) >= attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) < (attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57) + 7)));
 }
-#line 976 "natten_tiled_decode.cu"
+#line 994 "natten_tiled_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -982,7 +1000,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 22 "examples/natten_tiled.attn"
   return tri_and(tri_and(tri_and(tri_ge(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57))), tri_lt(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7)))), tri_ge(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)))), tri_lt(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7))));
 }
-#line 986 "natten_tiled_decode.cu"
+#line 1004 "natten_tiled_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -185,6 +185,24 @@ __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes)
   return inside ? value : T(0);
 }
 
+// The class of a bool table over the positions [lo, hi] along its last axis (the mask
+// analysis's tri: 0 every one false, 1 mixed, 2 every one true), for `is_global[batch,
+// kv_pos]` over a tile's keys: axes as table_at's for the other indices. Positions outside
+// the axis, and other indices outside the table, read false. The scan stops once mixed.
+template <typename... Axes>
+__device__ __forceinline__ int span_tri(const unsigned char* __restrict__ table, const int lo,
+                                        const int hi, const int extent, Axes... axes) {
+  int flat = 0;
+  if (!table_offset(flat, axes..., Known{0}, extent)) return 0;
+  bool any = false, all = lo >= 0 && hi < extent;
+  for (int i = imax(lo, 0); i <= imin(hi, extent - 1) && (all || !any); ++i) {
+    const bool x = table[flat + i] != 0;
+    any = any || x;
+    all = all && x;
+  }
+  return all ? 2 : any ? 1 : 0;
+}
+
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
 // into one buffer: a header of int64 {requests B, bits offset, blocks offset, (block_q,
 // block_kv) as two int32}, then int64 word_start[B] and block_start[B]. Request b's matrix
@@ -974,7 +992,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_bit(p.u_allowed, ix, (ix.q_pos - (ix.kv_len - ix.qo_len)), ix.kv_pos);
 }
-#line 978 "spec_tree_decode.cu"
+#line 996 "spec_tree_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -984,7 +1002,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_tile(p.u_allowed, ix, q_lo - (ix.kv_len - ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi);
 }
-#line 988 "spec_tree_decode.cu"
+#line 1006 "spec_tree_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };
