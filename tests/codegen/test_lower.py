@@ -410,3 +410,15 @@ def test_bounded_reductions_are_loops_long_ones_rolled():
             'acc = acc + (((float)(loop_i)));') in h.logits
     assert "for (int loop_j = 2; loop_j < 5; ++loop_j) acc = acc || (" in h.mask
     assert "_Pragma" not in h.mask
+
+
+def test_per_token_bool_tables_class_tiles_by_their_stretch():
+    # is_global[batch, kv_pos] and [batch, q_pos]: scanned under the tile's keys / queries
+    tile = lower(attnlang.load(VARIANT_FILES[VARIANT_IDS.index("longformer")])).mask_tile
+    assert "attnlang::span_tri(p.u_is_global, kv_lo, kv_hi, 16384, attnlang::Known{ix.batch}, 0)" \
+        in tile
+    assert "attnlang::span_tri(p.u_is_global, q_lo, q_hi, 16384, attnlang::Known{ix.batch}, 0)" \
+        in tile
+    # read at a computed position, the table leaves the tile to the per-element mask
+    v = attnlang.parse("variant t\nparam g: bool[batch, 64]\nmask = g[batch, kv_pos + 1]")
+    assert "span_tri" not in lower(v).mask_tile
