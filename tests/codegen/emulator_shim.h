@@ -67,6 +67,7 @@ inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {b2f(h.x), b2f(h.y)}
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {f2b(a), f2b(b)}; }
 
 inline float __expf(float x) { return expf(x); }
+inline float __fdividef(float a, float b) { return a / b; }
 inline float __logf(float x) { return logf(x); }
 inline float __log2f(float x) { return log2f(x); }
 inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
