@@ -332,9 +332,8 @@ def lower_mask_tile(mask: ir.Expr | None, literal, param, table, span=None) -> s
     a scalar param (or a per-pair mask's buffer), `table(e)` a tensor read whose indices
     are all `batch` / `kv_head`, and `span(e)` (optional) the class of a bool table read at
     kv_pos or q_pos along its last axis (`is_global[batch, kv_pos]`, `span_axis`) over the
-    tile's keys or queries. A per-pair
-    mask's class over the tile comes from the block summary plan() stored beside its bits
-    (common.cuh, pair_tile).
+    tile's keys or queries. A per-pair mask's class over the tile comes from the block
+    summary plan() stored beside its bits (common.cuh, pair_tile).
     """
     if mask is None:
         return "2"

@@ -87,8 +87,8 @@ def _sample_tiles(side: int = 64, length: int = 8192) -> TileEnv:
     q, kv = np.meshgrid(np.arange(0, length, side), np.arange(0, length, side), indexing="ij")
     keep = kv <= q
     q, kv = q[keep], kv[keep]
-    one = np.zeros_like(q)
-    return TileEnv(q, q + side - 1, kv, kv + side - 1, one, one, one + length, one + length,
+    zero = np.zeros_like(q)
+    return TileEnv(q, q + side - 1, kv, kv + side - 1, zero, zero, zero + length, zero + length,
                    num_heads=32, num_kv_heads=8, head_dim=128)
 
 
