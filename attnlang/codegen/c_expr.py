@@ -12,7 +12,7 @@ variant's ``Params`` (``p.u_<name>``, see `member_name`); tables read through
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from attnlang import ir
 from attnlang.ir import BOOL, FLOAT, INT
@@ -178,13 +178,16 @@ class Env:
     """What the names of one expression mean in C.
 
     elem: inside the per-element loop of a vector stage (``x[i]``, ``dim``); input: the
-    stage's element name (q/k/v/o); hoisted: Reduce/Rope sub-trees already in temporaries.
+    stage's element name (q/k/v/o); hoisted: Reduce/Rope sub-trees already in temporaries;
+    exact: under a node that truncates or compares floats (`int()`, `floor`, `<`...), where
+    an ulp can change the result, so divisions keep IEEE's quotient.
     """
 
     stage: str
     elem: bool = False
     input: str | None = None
     hoisted: tuple[tuple[ir.Expr, str], ...] = ()
+    exact: bool = False
 
     def temp(self, e: ir.Expr) -> str | None:
         for node, name in self.hoisted:
@@ -214,6 +217,8 @@ def expr_c(e: ir.Expr, env: Env) -> str:
     name = env.temp(e)
     if name is not None:  # a hoisted reduction (scalar) or rope (per element)
         return f"{name}[i]" if isinstance(e, ir.Rope) else name
+    if not env.exact and _truncates(e):
+        env = replace(env, exact=True)
     if isinstance(e, ir.Const):
         return literal(e)
     if isinstance(e, ir.Var):
@@ -244,12 +249,15 @@ def expr_c(e: ir.Expr, env: Env) -> str:
             raise ValueError(f"no C form for {e.a.type} {e.op} {e.b.type}")
         if key in _LITERAL_DIVISION and isinstance(e.b, ir.Const) and e.b.value != 0:
             return _LITERAL_DIVISION[key].format(a=expr_c(e.a, env), b=expr_c(e.b, env))
-        if key == ("/", FLOAT) and _is_invariant(e.b) and _has_param(e.b):
-            # A divisor of scalar params (and constants) only: multiply by its reciprocal,
-            # which the compiler hoists out of the kernel's loops (an IEEE division per key
-            # or element costs ~10 instructions and a slow-path branch). Within 1 ulp of
-            # a / b, far inside LANGUAGE.md section 7.
-            return f"({expr_c(e.a, env)} * (1.0f / {expr_c(e.b, env)}))"
+        if key == ("/", FLOAT) and _is_invariant(e.b):
+            # A divisor of scalar params and constants only: through its reciprocal, which
+            # the compiler folds or hoists (an IEEE division per score costs ~10 instructions
+            # and a slow-path call). Within an ulp of a / b, far inside LANGUAGE.md section 7;
+            # where an ulp could flip a truncation or comparison, corrected to IEEE's quotient.
+            a, b = expr_c(e.a, env), expr_c(e.b, env)
+            if env.exact and not _power_of_two(e.b):
+                return f"attnlang::div_invariant({a}, {b})"
+            return f"({a} * (1.0f / {b}))"
         return _BINARY[key].format(a=expr_c(e.a, env), b=expr_c(e.b, env))
     if isinstance(e, ir.Call):
         key = (e.fn, e.type)
@@ -318,15 +326,20 @@ def span_c(e: ir.ParamIndex, index_c) -> str:
             f"{', ' + axes if axes else ''})")
 
 
-def _has_param(e: ir.Expr) -> bool:
-    """Does e read a scalar param (a constant divisor is left to the C compiler)?"""
-    if isinstance(e, ir.Param):
+def _power_of_two(e: ir.Expr) -> bool:
+    """Is e a constant whose reciprocal is exact (a power of two)?"""
+    return (isinstance(e, ir.Const) and e.value != 0 and math.isfinite(e.value)
+            and math.frexp(abs(e.value))[0] == 0.5)
+
+
+def _truncates(e: ir.Expr) -> bool:
+    """Can an ulp of a float operand change e's value by more than an ulp (e truncates,
+    rounds or compares floats)?"""
+    if isinstance(e, ir.Call) and e.fn in ("floor", "ceil", "mod"):
         return True
-    if isinstance(e, (ir.Cast, ir.Unary)):
-        return _has_param(e.x)
-    if isinstance(e, ir.Binary):
-        return _has_param(e.a) or _has_param(e.b)
-    return False
+    if isinstance(e, ir.Binary) and e.op in ("%", "//"):
+        return True
+    return e.type is not FLOAT and any(c.type is FLOAT for c in children(e))
 
 
 def _is_invariant(e: ir.Expr) -> bool:

@@ -26,6 +26,7 @@
 #include <deque>
 #include <map>
 #include <mutex>
+using std::isfinite;  // a CUDA device function in the global namespace
 #include <condition_variable>
 #include <chrono>
 #include <memory>

@@ -119,6 +119,20 @@ def test_tile_uniform_logits(split, workdir):
                             kv_chunk_size=split, num_ctas=3), "bfloat16")
 
 
+@pytest.mark.parametrize("text", [
+    "variant blocks\nmask = int(float(kv_pos) / 41.0) <= int(float(q_pos) / 41.0)",
+    "variant pblocks\nparam block: float = 41.0\n"
+    "mask = floor(float(kv_pos) / block) <= floor(float(q_pos) / block)",
+])
+def test_exact_quotients_under_truncation(text, workdir):
+    # Block-causal attention over blocks of 41 positions: x / 41 through a reciprocal is
+    # 0.99999994 at x = 41 (1 / 41 rounds down), which int() and floor() would truncate to 0.
+    # The kernels correct such quotients to IEEE's (attnlang::div_invariant).
+    v = attnlang.parse(text)
+    check(emulator.run_case(v, workdir, qo_lens=(1, 50, 3), kv_lens=(170, 130, 84),
+                          num_ctas=3), "bfloat16")
+
+
 @pytest.mark.parametrize("split", [None, 160])
 def test_per_token_tables_skip_tiles(split, workdir):
     # Longformer in decode: tiles far behind the window whose keys hold no global token are

@@ -150,7 +150,12 @@ def test_param_names_are_prefixed_in_cpp():
     (B("*", C(2.0), V("logits", F)), "(2.0f * s)"),
     (B("/", V("q_pos"), C(3)), "(ix.q_pos / 3)"),  # int: C's truncation toward zero
     (B("%", V("q_pos"), C(7)), "(ix.q_pos % 7)"),
-    (B("/", V("logits", F), C(3.0)), "(s / 3.0f)"),
+    # A constant divisor: its (folded) reciprocal, corrected to IEEE's quotient where an ulp
+    # could flip a comparison or truncation; a power of two's reciprocal is exact.
+    (B("/", V("logits", F), C(3.0)), "(s * (1.0f / 3.0f))"),
+    (B("<", B("/", V("logits", F), C(3.0)), C(1.0)), "(attnlang::div_invariant(s, 3.0f) < 1.0f)"),
+    (B("<", B("/", V("logits", F), C(4.0)), C(1.0)), "((s * (1.0f / 4.0f)) < 1.0f)"),
+    (B("//", V("logits", F), C(3.0)), "floorf(s / 3.0f)"),
     (B("%", V("logits", F), C(3.0)), "fmodf(s, 3.0f)"),
     (B("**", V("logits", F), C(2.0)), "powf(s, 2.0f)"),
     (B("<", V("kv_pos"), V("q_pos")), "(ix.kv_pos < ix.q_pos)"),

@@ -150,6 +150,18 @@ __device__ __forceinline__ float cos_reduced(const float x) {
   return __cosf(6.283185307179586f * turns_fraction(x));
 }
 
+// x / c for a divisor the same over the whole launch (constants, scalar params), through
+// its reciprocal, which the compiler folds or hoists: IEEE's division costs ~10 instructions
+// and a slow-path call per score. One FMA correction step (Markstein) gives IEEE's quotient,
+// so exact quotients stay exact (int(float(kv_pos) / 41.0) at 41 is 1, not 0); only subnormal
+// x or quotients may differ, by an ulp. An overflowed or infinite quotient keeps x * (1 / c).
+__device__ __forceinline__ float div_invariant(const float x, const float c) {
+  const float r = 1.0f / c;
+  const float q0 = x * r;
+  const float q = fmaf(fmaf(-q0, c, x), r, q0);
+  return isfinite(q) ? q : q0;
+}
+
 // int(x): toward zero, saturating at the int32 range, NaN -> 0. That is PTX's cvt.rzi.s32.f32
 // itself (float-to-int conversions saturate, NaN converts to 0; checked on the H100), half
 // the time of the same rule written with compares (benchmarks/NOTES.md).
@@ -992,13 +1004,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 8 "examples/gemma2_local.attn"
   return (p.u_cap * attnlang::tanh_approx((s * (1.0f / p.u_cap))));
 }
-#line 996 "gemma2_local_decode.cu"
+#line 1008 "gemma2_local_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 9 "examples/gemma2_local.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.q_pos - ix.kv_pos) < 4096));
 }
-#line 1002 "gemma2_local_decode.cu"
+#line 1014 "gemma2_local_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1008,7 +1020,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 9 "examples/gemma2_local.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(4096)));
 }
-#line 1012 "gemma2_local_decode.cu"
+#line 1024 "gemma2_local_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

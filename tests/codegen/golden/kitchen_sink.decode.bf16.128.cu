@@ -150,6 +150,18 @@ __device__ __forceinline__ float cos_reduced(const float x) {
   return __cosf(6.283185307179586f * turns_fraction(x));
 }
 
+// x / c for a divisor the same over the whole launch (constants, scalar params), through
+// its reciprocal, which the compiler folds or hoists: IEEE's division costs ~10 instructions
+// and a slow-path call per score. One FMA correction step (Markstein) gives IEEE's quotient,
+// so exact quotients stay exact (int(float(kv_pos) / 41.0) at 41 is 1, not 0); only subnormal
+// x or quotients may differ, by an ulp. An overflowed or infinite quotient keeps x * (1 / c).
+__device__ __forceinline__ float div_invariant(const float x, const float c) {
+  const float r = 1.0f / c;
+  const float q0 = x * r;
+  const float q = fmaf(fmaf(-q0, c, x), r, q0);
+  return isfinite(q) ? q : q0;
+}
+
 // int(x): toward zero, saturating at the int32 range, NaN -> 0. That is PTX's cvt.rzi.s32.f32
 // itself (float-to-int conversions saturate, NaN converts to 0; checked on the H100), half
 // the time of the same rule written with compares (benchmarks/NOTES.md).
@@ -987,10 +999,10 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
   #pragma unroll
   for (int i = 0; i < VEC; ++i) {
 #line 14 "tests/variants/kitchen_sink.attn"
-    x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) / 1.7320508075688772f);
+    x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) * (1.0f / 1.7320508075688772f));
   }
 }
-#line 994 "kitchen_sink_decode.cu"
+#line 1006 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1037,19 +1049,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1041 "kitchen_sink_decode.cu"
+#line 1053 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
-  return ((fminf(fmaxf(s, (-5.0f)), 5.0f) / 1.4142135623730951f) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
+  return ((fminf(fmaxf(s, (-5.0f)), 5.0f) * (1.0f / 1.4142135623730951f)) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1047 "kitchen_sink_decode.cu"
+#line 1059 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1053 "kitchen_sink_decode.cu"
+#line 1065 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1072,14 +1084,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1076 "kitchen_sink_decode.cu"
+#line 1088 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1083 "kitchen_sink_decode.cu"
+#line 1095 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -150,6 +150,18 @@ __device__ __forceinline__ float cos_reduced(const float x) {
   return __cosf(6.283185307179586f * turns_fraction(x));
 }
 
+// x / c for a divisor the same over the whole launch (constants, scalar params), through
+// its reciprocal, which the compiler folds or hoists: IEEE's division costs ~10 instructions
+// and a slow-path call per score. One FMA correction step (Markstein) gives IEEE's quotient,
+// so exact quotients stay exact (int(float(kv_pos) / 41.0) at 41 is 1, not 0); only subnormal
+// x or quotients may differ, by an ulp. An overflowed or infinite quotient keeps x * (1 / c).
+__device__ __forceinline__ float div_invariant(const float x, const float c) {
+  const float r = 1.0f / c;
+  const float q0 = x * r;
+  const float q = fmaf(fmaf(-q0, c, x), r, q0);
+  return isfinite(q) ? q : q0;
+}
+
 // int(x): toward zero, saturating at the int32 range, NaN -> 0. That is PTX's cvt.rzi.s32.f32
 // itself (float-to-int conversions saturate, NaN converts to 0; checked on the H100), half
 // the time of the same rule written with compares (benchmarks/NOTES.md).
@@ -1011,7 +1023,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1015 "rope_norm_window_decode.cu"
+#line 1027 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1044,7 +1056,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1048 "rope_norm_window_decode.cu"
+#line 1060 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1053,13 +1065,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1057 "rope_norm_window_decode.cu"
+#line 1069 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1063 "rope_norm_window_decode.cu"
+#line 1075 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1081,14 +1093,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1085 "rope_norm_window_decode.cu"
+#line 1097 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1092 "rope_norm_window_decode.cu"
+#line 1104 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };
