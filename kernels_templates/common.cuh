@@ -50,6 +50,9 @@ struct Index {
   // The request's block summary of that mask, when the kernel found it once per work item
   // (variant::pair_blocks); pair_tile then skips the header.
   const unsigned char* pair_blocks = nullptr;
+  // The prefill kernel's distance table (variant::distance_term): this row's entry for the
+  // tile's last key; the entry of key c of the tile is distance_row - c.
+  int distance_row = 0;
 };
 
 inline constexpr float kLog2e = 1.4426950408889634f;

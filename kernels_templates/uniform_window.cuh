@@ -5,41 +5,51 @@
 // variant::uniform_tile bounds the terms over one tile with interval arithmetic: a few hundred
 // instructions (accurate logs and divisions of the bounds), as much as a tile's softmax, so it
 // is not run per tile by every thread. Lane l of the warp evaluates tile base + l once per 32
-// tiles; a tile's answer is then two shuffles from its lane. Tiles must be asked for in
-// increasing order (both kernels walk their tiles so), by the whole warp.
+// tiles; a tile's answer is then a bit of their ballot, its values a shuffle from its lane.
+// Tiles must be asked for in increasing order (both kernels walk their tiles so), by the whole
+// warp.
 #pragma once
 
 namespace attnlang {
 
 template <int kTileKeys>
 struct UniformWindow {
-  int base = -(1 << 30);      // the tile lane 0 evaluated
-  bool lane_uniform = false;  // this lane's tile: every term one value ...
-  variant::Uniform lane_u{};  // ... these
+  int base = -(1 << 30);       // the tile lane 0 evaluated
+  unsigned uniform_bits = 0u;  // bit l: every term is one value over tile base + l ...
+  variant::Uniform lane_u{};   // ... these, for this lane's tile
 
   // Are the terms one value each over tile `tile` (keys kv_start + tile kTileKeys, up to
-  // kv_end) and the queries [q_lo, q_hi]? Their values go to u.
-  __device__ __forceinline__ bool get(const int tile, const int lane, const int kv_start,
-                                      const int kv_end, const int q_lo, const int q_hi,
-                                      const variant::Params& params, const Index& tile_ix,
-                                      variant::Uniform& u) {
+  // kv_end) and the queries [q_lo, q_hi]? A bit of the window's ballot: no shuffle.
+  __device__ __forceinline__ bool uniform(const int tile, const int lane, const int kv_start,
+                                          const int kv_end, const int q_lo, const int q_hi,
+                                          const variant::Params& params, const Index& tile_ix) {
     if constexpr (variant::kUniformTerms == 0) {
       return false;
     } else {
       if (tile >= base + 32) {  // uniform over the warp
         base = tile;
         const int kv_lo = kv_start + (tile + lane) * kTileKeys;
-        lane_uniform = kv_lo < kv_end &&
-                       variant::uniform_tile(q_lo, q_hi, kv_lo, imin(kv_lo + kTileKeys, kv_end) - 1,
-                                             params, tile_ix, lane_u);
+        const bool lane_uniform =
+            kv_lo < kv_end && variant::uniform_tile(q_lo, q_hi, kv_lo,
+                                                    imin(kv_lo + kTileKeys, kv_end) - 1, params,
+                                                    tile_ix, lane_u);
+        uniform_bits = __ballot_sync(0xffffffffu, lane_uniform);
       }
-      const int src = tile - base;
-#pragma unroll
-      for (int k = 0; k < variant::kUniformTerms; ++k) {
-        u.v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], src);
-      }
-      return __shfl_sync(0xffffffffu, lane_uniform ? 1 : 0, src) != 0;
+      return (uniform_bits >> (tile - base)) & 1u;
     }
+  }
+
+  // uniform(), and the terms' values to u (one shuffle per term).
+  __device__ __forceinline__ bool get(const int tile, const int lane, const int kv_start,
+                                      const int kv_end, const int q_lo, const int q_hi,
+                                      const variant::Params& params, const Index& tile_ix,
+                                      variant::Uniform& u) {
+    const bool all = uniform(tile, lane, kv_start, kv_end, q_lo, q_hi, params, tile_ix);
+#pragma unroll
+    for (int k = 0; k < variant::kUniformTerms; ++k) {
+      u.v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], tile - base);
+    }
+    return all;
   }
 };
 

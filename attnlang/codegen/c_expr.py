@@ -249,7 +249,7 @@ def expr_c(e: ir.Expr, env: Env) -> str:
             raise ValueError(f"no C form for {e.a.type} {e.op} {e.b.type}")
         if key in _LITERAL_DIVISION and isinstance(e.b, ir.Const) and e.b.value != 0:
             return _LITERAL_DIVISION[key].format(a=expr_c(e.a, env), b=expr_c(e.b, env))
-        if key == ("/", FLOAT) and _is_invariant(e.b):
+        if key == ("/", FLOAT) and is_invariant(e.b):
             # A divisor of scalar params and constants only: through its reciprocal, which
             # the compiler folds or hoists (an IEEE division per score costs ~10 instructions
             # and a slow-path call). Within an ulp of a / b, far inside LANGUAGE.md section 7;
@@ -342,17 +342,17 @@ def _truncates(e: ir.Expr) -> bool:
     return e.type is not FLOAT and any(c.type is FLOAT for c in children(e))
 
 
-def _is_invariant(e: ir.Expr) -> bool:
+def is_invariant(e: ir.Expr) -> bool:
     """Is e built from scalar params and constants only (the same value for every key,
     query and element of a launch)?"""
     if isinstance(e, (ir.Const, ir.Param)):
         return True
     if isinstance(e, ir.Cast):
-        return _is_invariant(e.x)
+        return is_invariant(e.x)
     if isinstance(e, ir.Unary):
-        return _is_invariant(e.x)
+        return is_invariant(e.x)
     if isinstance(e, ir.Binary):
-        return _is_invariant(e.a) and _is_invariant(e.b)
+        return is_invariant(e.a) and is_invariant(e.b)
     return False
 
 

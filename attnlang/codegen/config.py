@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "HEAD_DIM_PAIRS", "TemplateShape", "LaunchConfig",
            "template_shape", "launch_config", "dtype_ctype", "uses_wgmma", "check_head_dims",
-           "STATIC_SMEM_LIMIT"]
+           "STATIC_SMEM_LIMIT", "DISTANCE_TABLE_BYTES"]
 
 KINDS = ("decode", "prefill", "merge")
 # dtype name -> (C type, bytes)
@@ -53,6 +53,13 @@ HEAD_DIMS = (64, 128, 256)
 HEAD_DIM_PAIRS = tuple((d, d) for d in HEAD_DIMS) + ((192, 128),)
 # Dynamic shared memory above this needs cudaFuncAttributeMaxDynamicSharedMemorySize.
 STATIC_SMEM_LIMIT = 48 * 1024
+# The end of a prefill CTA's shared memory, after its Q tile: the table of a distance term
+# over one KV tile (attnlang.codegen.distance_terms), 768 floats, e.g. 4 heads x 159
+# distances (128 rows at 4 query heads per KV head, tiles of 128 keys). It is what 227 KB
+# leave beside the wgmma path's 224 KB at head dim 128 (and 99 KB beside the mma.sync path's
+# 96 KB on sm_86/89), so every variant's kernel reserves it: no CTA fewer per SM on any
+# target. A larger table is not built: its tiles compute the term per score.
+DISTANCE_TABLE_BYTES = 3072
 
 _VEC_BYTES = 16  # one 16-byte vector access per lane
 _MAX_THREADS = 256  # __launch_bounds__ of the decode kernel: at most this many threads
@@ -248,9 +255,9 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     >>> launch_config("merge", 128, 4)
     LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=0, kv_tile=0)
     >>> launch_config("prefill", 128, 4)
-    LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=98304, kv_tile=64)
+    LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=101376, kv_tile=64)
     >>> launch_config("prefill", 128, 4, arch="sm_90a")
-    LaunchConfig(block=(256, 1, 1), rows_per_tile=128, smem_bytes=229376, kv_tile=128)
+    LaunchConfig(block=(256, 1, 1), rows_per_tile=128, smem_bytes=232448, kv_tile=128)
     >>> launch_config("decode", 192, 1, head_dim_vo=128)
     LaunchConfig(block=(8, 1, 16), rows_per_tile=1, smem_bytes=122880, kv_tile=64)
 
@@ -270,8 +277,8 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     if kind == "prefill":
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
-        return LaunchConfig((shape.max_threads, 1, 1), rows, stages + rows * head_dim * size,
-                            shape.kv_tile)
+        return LaunchConfig((shape.max_threads, 1, 1), rows,
+                            stages + rows * head_dim * size + DISTANCE_TABLE_BYTES, shape.kv_tile)
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)
     tz = max(1, _MIN_THREADS // (shape.tx * rows))
     merge = rows * tz * (head_dim_vo + 2) * 4  # TZ partial states (o, m, d), aliases the pipeline

@@ -48,6 +48,7 @@ from attnlang.codegen.c_expr import (
     table_c,
     uses_dim,
 )
+from attnlang.codegen.distance_terms import lower_distance
 from attnlang.codegen.mask_tiles import lower_mask_tile
 from attnlang.codegen.tile_uniform import lower_uniform
 
@@ -109,6 +110,7 @@ class Hooks:
     output: str
     mask_tile: str
     uniform: str
+    distance: str
     pair_window: str
     kernel_params: tuple[KernelParam, ...]
     params_init: str
@@ -136,7 +138,8 @@ class Hooks:
             self.flags,
             "",
             self.query, "", self.key, "", self.value, "", self.logits, "", self.mask, "",
-            self.output, "", self.mask_tile, "", self.uniform, "", self.pair_window,
+            self.output, "", self.mask_tile, "", self.uniform, "", self.distance, "",
+            self.pair_window,
             "",
             "}  // namespace variant",
         ]
@@ -279,6 +282,19 @@ def _uniform_hook(logits: ir.Expr | None, filename: str) -> str:
     return text + ("\n" + LINE_RESET if any(m.used_line for m in made) else "")
 
 
+def _distance_hook(logits: ir.Expr | None, filename: str) -> str:
+    """The logits' distance term (`attnlang.codegen.distance_terms`): tabulated per tile by
+    the prefill kernel, read back by logits_distance."""
+    made: list[_Lines] = []
+
+    def lines() -> _Lines:
+        made.append(_Lines(filename, _line_of(logits)))
+        return made[-1]
+
+    text = lower_distance(logits, lines)
+    return text + ("\n" + LINE_RESET if any(m.used_line for m in made) else "")
+
+
 _MASK_TILE_SIG = ("__device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, "
                   "const int kv_lo, const int kv_hi, const Params& p, const Index& ix)")
 
@@ -380,6 +396,7 @@ def lower(variant: ir.Variant) -> Hooks:
         **fns,
         mask_tile=mask_tile,
         uniform=_uniform_hook(variant.logits, variant.filename),
+        distance=_distance_hook(variant.logits, variant.filename),
         pair_window=_pair_window_hook(pairs),
         kernel_params=tuple(kernel_params),
         params_init=params_init,

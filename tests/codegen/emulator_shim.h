@@ -3,7 +3,7 @@
 //
 //   threads      one OS thread per CUDA thread of a block; blocks run one after another
 //   __syncthreads  a barrier over the block
-//   __shfl_sync (int, full warp), __shfl_xor_sync  a barrier over exactly the lanes named in
+//   __shfl_sync (int, full warp), __shfl_xor_sync, __ballot_sync  a barrier over exactly the lanes named in
 //                the mask (per warp and mask):
 //                a lane missing from a shuffle it is named in deadlocks, which is reported
 //                (exit 3) instead of silently exchanging garbage
@@ -83,6 +83,8 @@ inline int __float2int_rz(float x) {
 }
 inline float __cosf(float x) { return cosf(x); }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
+inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
   return static_cast<unsigned>(((static_cast<unsigned long long>(hi) << 32) | lo) >> (shift & 31));
@@ -159,6 +161,13 @@ inline int __shfl_sync(unsigned mask, int v, int src_lane) {
   b.wait();
   const int r = tl_block->shfl_ints[warp * 32 + src_lane];
   b.wait();
+  return r;
+}
+
+// __ballot_sync (full warp): the lanes' predicates through the int shuffle, lane by lane.
+inline unsigned __ballot_sync(unsigned mask, bool pred) {
+  unsigned r = 0;
+  for (int l = 0; l < 32; ++l) r |= static_cast<unsigned>(__shfl_sync(mask, pred ? 1 : 0, l)) << l;
   return r;
 }
 

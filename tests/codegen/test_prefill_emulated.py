@@ -56,6 +56,14 @@ CASES = {
     # logits, variant::logits_uniform), the rest compute it per score; a decode request too.
     "t5-uniform-tiles": ("examples/t5_bias.attn",
                          dict(qo_lens=(40, 1), kv_lens=(400, 300), kv_chunk_size=224)),
+    # Distance terms (attnlang.codegen.distance_terms): T5's bias per head and Sandwich's sum
+    # of cosines (no head, never tile-uniform: every tile) read from the tile's table; at 16
+    # query heads per KV head T5's table does not fit (16 x 71 entries) and stays per score.
+    "sandwich-table": ("examples/sandwich.attn",
+                       dict(qo_lens=(40, 1), kv_lens=(300, 200), kv_chunk_size=96)),
+    "t5-gqa16-per-score": ("examples/t5_bias.attn",
+                           dict(num_heads=16, num_kv_heads=1, qo_lens=(20, 1),
+                                kv_lens=(300, 150))),
     "kitchen-sink-192-128": ("tests/variants/kitchen_sink.attn",
                              dict(head_dim=192, head_dim_vo=128, qo_lens=(40, 1),
                                   kv_lens=(90, 33), kv_chunk_size=48)),
@@ -91,6 +99,18 @@ def test_prefill_emulated(name, workdir):
     assert r.rel_err <= TOL[kwargs.get("dtype", "bfloat16")], r
     if r.lse_err is not None:
         assert r.lse_finite_matches and r.lse_err <= 5e-3, r
+
+
+def test_int_distance_term(workdir):
+    # An int distance term under a float conversion that also reads q_pos: the table holds
+    # the int's bits (logits_distance reads them back with __float_as_int).
+    v = attnlang.parse("variant ilog\nmask = causal\nlogits = logits + 0.3 * float("
+                       "int(log2(float(max(q_pos - kv_pos, 1)))) + q_pos % 3)",
+                       filename="ilog.attn")
+    r = emulator_prefill.run_case(v, workdir / "ilog", qo_lens=(70, 1), kv_lens=(260, 90),
+                                  num_heads=8, num_kv_heads=2)
+    assert r.prefill_items > 0 and not r.has_nan, r
+    assert r.rel_err <= TOL["bfloat16"], r
 
 
 def test_rows_that_see_no_key(workdir):

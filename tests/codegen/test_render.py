@@ -206,7 +206,8 @@ def test_value_head_dim_shapes():
     assert cfg.smem_bytes <= 114 * 1024  # mma.sync: two CTAs per SM
     assert config.template_shape("prefill", 192, "bfloat16", "sm_90a", 128).wgmma
     cfg = config.launch_config("prefill", 192, 4, "bfloat16", "sm_90a", 128)
-    assert cfg.smem_bytes == 4 * 64 * (192 + 128) * 2 + 128 * 192 * 2  # 208 KB, one CTA
+    # 208 KB and the distance table, one CTA
+    assert cfg.smem_bytes == 4 * 64 * (192 + 128) * 2 + 128 * 192 * 2 + config.DISTANCE_TABLE_BYTES
     assert config.check_head_dims(64) == (64, 64)
     for qk, vo in ((192, None), (128, 192), (96, 96), (True, 128)):
         with pytest.raises(ValueError, match="unsupported head_dim"):

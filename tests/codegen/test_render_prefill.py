@@ -58,8 +58,8 @@ def test_prefill_template_lists_what_it_splices():
 
 def test_launch_config_prefill():
     cfg = config.launch_config("prefill", 128, 4)
-    # 4 warps x 32 rows, 2 stages of 64 keys, Q tile: two CTAs per SM
-    assert cfg == config.LaunchConfig((128, 1, 1), 128, 98304, 64)
+    # 4 warps x 32 rows, 2 stages of 64 keys, Q tile, distance table: two CTAs per SM
+    assert cfg == config.LaunchConfig((128, 1, 1), 128, 98304 + 3072, 64)
     assert cfg.needs_smem_opt_in
     for head_dim in config.HEAD_DIMS:
         for dtype in config.DTYPES:
@@ -73,7 +73,7 @@ def test_launch_config_prefill():
                 assert cfg.kv_tile == shape.kv_tile and shape.kv_tile % 16 == 0
                 kv_bytes = 2 * shape.stages * shape.kv_tile * head_dim * 2  # K and V stages
                 q_bytes = cfg.rows_per_tile * head_dim * 2
-                assert cfg.smem_bytes == kv_bytes + q_bytes
+                assert cfg.smem_bytes == kv_bytes + q_bytes + config.DISTANCE_TABLE_BYTES
                 assert cfg.rows_per_tile * head_dim * 4 <= cfg.smem_bytes  # fp32 O staging
                 # The CTAs per SM the kernel is built for fit the H100's 228 KB.
                 assert shape.min_blocks * (cfg.smem_bytes + 1024) <= 228 * 1024
@@ -82,7 +82,7 @@ def test_launch_config_prefill():
 def test_launch_config_prefill_wgmma():
     # Two warpgroups of 64 rows (the same 128-row work items), three stages of 128 keys.
     assert config.launch_config("prefill", 128, 4, arch="sm_90a") == config.LaunchConfig(
-        (256, 1, 1), 128, 3 * 2 * 128 * 128 * 2 + 128 * 128 * 2, 128)
+        (256, 1, 1), 128, 3 * 2 * 128 * 128 * 2 + 128 * 128 * 2 + 3072, 128)
     for head_dim in config.HEAD_DIMS:
         for arch in ("sm_90a", "sm_90", "sm_80", "sm_100a", None):
             wgmma = config.uses_wgmma("prefill", head_dim, arch)
