@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlang import ir
-from attnlang.codegen.c_expr import Env, children, expr_c
+from attnlang.codegen.c_expr import CTYPE, Env, children, expr_c
 from attnlang.codegen.mask_tiles import TileEnv, interval_of, lower_interval
 
 __all__ = ["uniform_terms", "lower_uniform"]
@@ -100,14 +100,76 @@ def _ever_uniform(term: ir.Expr) -> bool:
     return bool(np.any(np.asarray(lo) == np.asarray(hi)))
 
 
+# A row's values are kept in registers through a tile: a few at most.
+MAX_ROW_PARTS = 2
+# Calls that cost an instruction or two: not worth a register.
+_CHEAP_CALLS = ("min", "max", "abs", "clamp", "where", "int", "floor", "ceil")
+
+
+def uniform_row_parts(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> tuple[ir.Expr, ...]:
+    """The parts of logits_uniform that are one value per query row over a uniform tile:
+    maximal sub-expressions that read neither kv_pos (outside a term), the score nor a loop
+    variable bound outside them, and cost a table read or a call. T5's `bias[head, bucket]`
+    is one (its bucket a term). The prefill kernel evaluates them before it waits for the
+    tile's scores, so their reads are in flight under the matmul.
+
+    >>> import attnlang as al
+    >>> v = al.load("examples/t5_bias.attn")
+    >>> [p.name for p in uniform_row_parts(v.logits, uniform_terms(v.logits))]
+    ['bias']
+    """
+    def row_only(e: ir.Expr, bound: frozenset = frozenset()) -> bool:
+        if e in terms:
+            return True
+        if isinstance(e, ir.Var):
+            return e.name not in ("kv_pos", "logits")
+        if isinstance(e, ir.LoopVar):
+            return e.name in bound
+        if isinstance(e, ir.Loop):
+            return row_only(e.body, bound | {e.var})
+        return all(row_only(c, bound) for c in children(e))
+
+    def costly(e: ir.Expr) -> bool:
+        if e in terms:
+            return False
+        if isinstance(e, (ir.ParamIndex, ir.Loop)):
+            return True
+        if isinstance(e, ir.Call) and e.fn not in _CHEAP_CALLS:
+            return True
+        return any(costly(c) for c in children(e))
+
+    found: list[ir.Expr] = []
+
+    def visit(e: ir.Expr) -> None:
+        if e in terms:
+            return
+        if e.type is not ir.BOOL and row_only(e) and costly(e):
+            if e not in found:
+                found.append(e)
+            return
+        for c in children(e):
+            visit(c)
+
+    if logits is not None and terms:
+        visit(logits)
+    return tuple(found[:MAX_ROW_PARTS])
+
+
 _TILE_SIG = ("__device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, "
              "const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u)")
 _LOGITS_SIG = ("__device__ __forceinline__ float logits_uniform(const float s, const Params& p, "
                "const Index& ix, const Uniform& u)")
+_ROWS_SIG = ("__device__ __forceinline__ UniformRows uniform_rows(const Params& p, "
+             "const Index& ix, const Uniform& u)")
+_WITH_ROWS = "return logits_uniform_rows(s, p, ix, u, uniform_rows(p, ix, u));"
+_LOGITS_ROWS_SIG = ("__device__ __forceinline__ float logits_uniform_rows(const float s, "
+                    "const Params& p, const Index& ix, const Uniform& u, const UniformRows& r)")
 
 
 def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
-    """The C++ of `kUniformTerms`, `Uniform`, `uniform_tile` and `logits_uniform`.
+    """The C++ of `kUniformTerms`, `Uniform`, `uniform_tile`, `UniformRows`, `uniform_rows`,
+    `logits_uniform_rows` and `logits_uniform` (the last two with the row parts given and
+    evaluated in place).
 
     literal, param and table render the interval leaves as for `mask_tile`; `lines()` returns
     a fresh statement collector (lower._Lines) whose `user` lines carry `#line` directives.
@@ -117,8 +179,11 @@ def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
             f"struct Uniform {{ int v[{max(len(terms), 1)}]; }};"]
     if not terms:
         return "\n".join(head + [
+            "struct UniformRows {};",
             f"{_TILE_SIG} {{ return false; }}  // no tile-uniform term",
-            f"{_LOGITS_SIG} {{ return logits(s, p, ix); }}  // unused: kUniformTerms is 0"])
+            f"{_ROWS_SIG} {{ return {{}}; }}  // unused: kUniformTerms is 0",
+            f"{_LOGITS_ROWS_SIG} {{ return logits(s, p, ix); }}  // unused",
+            f"{_LOGITS_SIG} {{ return logits(s, p, ix); }}  // unused"])
     tile = lines()
     tile.add("using namespace ::attnlang::mask_tiles;")
     tests = []
@@ -127,8 +192,20 @@ def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
         tile.add(f"u.v[{k}] = static_cast<int>(t{k}.lo);")
         tests.append(f"t{k}.lo == t{k}.hi")
     tile.add(f"return {' && '.join(tests)};")
-    env = Env("logits", hoisted=tuple((t, f"u.v[{k}]") for k, t in enumerate(terms)))
+    hoisted = tuple((t, f"u.v[{k}]") for k, t in enumerate(terms))
+    parts = uniform_row_parts(logits, terms)
+    members = " ".join(f"{CTYPE[p.type]} r{j};" for j, p in enumerate(parts))
+    rows = lines()
+    rows.add("UniformRows r;")
+    for j, part in enumerate(parts):
+        rows.user(f"r.r{j} = {expr_c(part, Env('logits', hoisted=hoisted))};", part)
+    rows.add("return r;")
     body = lines()
+    env = Env("logits", hoisted=hoisted + tuple((p, f"r.r{j}") for j, p in enumerate(parts)))
     body.user(f"return {expr_c(logits, env)};", logits)
-    return "\n".join(head + [f"{_TILE_SIG} {{\n{tile.text()}\n}}",
-                             f"{_LOGITS_SIG} {{\n{body.text()}\n}}"])
+    return "\n".join(head + [
+        f"struct UniformRows {{ {members} }};",
+        f"{_TILE_SIG} {{\n{tile.text()}\n}}",
+        f"{_ROWS_SIG} {{\n{rows.text()}\n}}",
+        f"{_LOGITS_ROWS_SIG} {{\n{body.text()}\n}}",
+        f"{_LOGITS_SIG} {{\n  {_WITH_ROWS}\n}}"])

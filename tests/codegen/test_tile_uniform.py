@@ -63,9 +63,12 @@ def test_terms_are_the_uniform_int_parts():
 def test_lowered_hooks():
     h = lower(T5)
     assert "inline constexpr int kUniformTerms = 1;" in h.uniform
-    # the logits with the bucket replaced by its tile value: one table read, no log
-    body = h.uniform.split("logits_uniform", 1)[1]
-    assert "u.v[0]" in body and "__logf" not in body
+    # the logits with the bucket replaced by its tile value: one table read per row (a row
+    # part, evaluated ahead by the prefill kernel), no log
+    rows = h.uniform.split("uniform_rows(", 1)[1].split("logits_uniform_rows", 1)[0]
+    assert "u.v[0]" in rows and "__logf" not in rows and "r.r0 = attnlang::table_at" in rows
+    body = h.uniform.split("float logits_uniform_rows", 1)[1].split("float logits_uniform(", 1)[0]
+    assert "(s + r.r0)" in body and "__logf" not in body
     none = lower(_parse("fine", NOT_TERMS["fine_buckets"])).uniform
     assert "kUniformTerms = 0;" in none and "return false;" in none
 

@@ -1027,6 +1027,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 
 inline constexpr int kUniformTerms = 1;
 struct Uniform { int v[1]; };
+struct UniformRows { float r0; };
 __device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u) {
   using namespace ::attnlang::mask_tiles;
 #line 16 "examples/t5_bias.attn"
@@ -1034,11 +1035,20 @@ __device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, con
   u.v[0] = static_cast<int>(t0.lo);
   return t0.lo == t0.hi;
 }
-__device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) {
+__device__ __forceinline__ UniformRows uniform_rows(const Params& p, const Index& ix, const Uniform& u) {
+  UniformRows r;
 #line 18 "examples/t5_bias.attn"
-  return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, u.v[0], 32));
+  r.r0 = attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, u.v[0], 32);
+  return r;
 }
-#line 1042 "t5_bias_decode.cu"
+__device__ __forceinline__ float logits_uniform_rows(const float s, const Params& p, const Index& ix, const Uniform& u, const UniformRows& r) {
+#line 18 "examples/t5_bias.attn"
+  return (s + r.r0);
+}
+__device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) {
+  return logits_uniform_rows(s, p, ix, u, uniform_rows(p, ix, u));
+}
+#line 1052 "t5_bias_decode.cu"
 
 inline constexpr bool kDistanceTerm = true;
 inline constexpr bool kDistanceByHead = true;
@@ -1052,7 +1062,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 18 "examples/t5_bias.attn"
   return (s + t);
 }
-#line 1056 "t5_bias_decode.cu"
+#line 1066 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
