@@ -92,6 +92,10 @@ _CALLS = {
     **{("where", t): "({0} ? {1} : {2})" for t in (BOOL, INT, FLOAT)},
 }
 
+# Calls that cost an instruction or two per score: not worth a table or a register of their own
+# (attnlang.codegen.distance_terms, tile_uniform's row parts).
+CHEAP_CALLS = ("min", "max", "abs", "clamp", "where", "int", "floor", "ceil")
+
 # Reductions over dim: lane-local reduce of a float[VEC], then a butterfly over the TX lanes.
 REDUCE = {
     "sum": "attnlang::group_sum<VEC, TX>({0})",

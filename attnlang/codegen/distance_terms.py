@@ -15,9 +15,9 @@ The term is the first maximal sub-expression of the logits stage, outermost firs
 - costs per score more than its table costs per tile (a fill and a barrier): a call (not
   min, max, abs, clamp, where, int, floor, ceil), a float division (by other than constants
   and scalar params) or modulo, or a bounded reduction. Integer operators and table reads
-  alone do not: `bias[head, min(q_pos - kv_pos, 31)]` measured 2-4% slower tabulated (a
-  read per score is cheaper than the table's barrier); ALiBi's `slopes[head] * ...` is an
-  FMA.
+  alone do not: `bias[head, min(q_pos - kv_pos, 31)]` measured 2-4% slower tabulated
+  (8429ed7, benchmarks/NOTES.md: a read per score is cheaper than the table's barrier);
+  ALiBi's `slopes[head] * ...` is an FMA.
 It may read `head` (then it is tabulated per head of the CTA), params, tables and the
 request's lengths. The kernels call
 
@@ -31,7 +31,7 @@ q_pos = d, kv_pos = 0 is exact: it reads them only through their difference.
 from __future__ import annotations
 
 from attnlang import ir
-from attnlang.codegen.c_expr import Env, children, expr_c, is_invariant
+from attnlang.codegen.c_expr import CHEAP_CALLS, Env, children, expr_c, is_invariant
 
 __all__ = ["distance_term", "reads_head", "lower_distance"]
 
@@ -61,13 +61,9 @@ def _only_distance(e: ir.Expr, bound: frozenset = frozenset()) -> bool:
     return all(_only_distance(c, bound) for c in children(e))
 
 
-# Calls that cost an instruction or two: no reason to tabulate them.
-_CHEAP_CALLS = ("min", "max", "abs", "clamp", "where", "int", "floor", "ceil")
-
-
 def _costly(e: ir.Expr) -> bool:
     """Does e cost per score more than its table costs per tile (a fill and a barrier)?"""
-    if isinstance(e, ir.Loop) or (isinstance(e, ir.Call) and e.fn not in _CHEAP_CALLS):
+    if isinstance(e, ir.Loop) or (isinstance(e, ir.Call) and e.fn not in CHEAP_CALLS):
         return True
     if (isinstance(e, ir.Binary) and e.op in ("/", "%", "//") and e.type is ir.FLOAT
             and not (e.op == "/" and is_invariant(e.b))):  # that one is a multiplication
@@ -80,7 +76,7 @@ def distance_term(logits: ir.Expr | None) -> ir.Expr | None:
 
     >>> import attnlang as al
     >>> v = al.parse("variant t\\nparam b: float[heads, 64]\\n"
-    ...              "logits = logits + b[head, min(max(q_pos - kv_pos, 0) // 8, 63)]")
+    ...              "logits = logits + b[head, min(int(log2(float(q_pos - kv_pos + 1))), 63)]")
     >>> distance_term(v.logits).name
     'b'
     """

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlang import ir
-from attnlang.codegen.c_expr import CTYPE, Env, children, expr_c
+from attnlang.codegen.c_expr import CHEAP_CALLS, CTYPE, Env, children, expr_c
 from attnlang.codegen.mask_tiles import TileEnv, interval_of, lower_interval
 
 __all__ = ["uniform_terms", "lower_uniform"]
@@ -102,8 +102,6 @@ def _ever_uniform(term: ir.Expr) -> bool:
 
 # A row's values are kept in registers through a tile: a few at most.
 MAX_ROW_PARTS = 2
-# Calls that cost an instruction or two: not worth a register.
-_CHEAP_CALLS = ("min", "max", "abs", "clamp", "where", "int", "floor", "ceil")
 
 
 def uniform_row_parts(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> tuple[ir.Expr, ...]:
@@ -134,7 +132,7 @@ def uniform_row_parts(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> tup
             return False
         if isinstance(e, (ir.ParamIndex, ir.Loop)):
             return True
-        if isinstance(e, ir.Call) and e.fn not in _CHEAP_CALLS:
+        if isinstance(e, ir.Call) and e.fn not in CHEAP_CALLS:
             return True
         return any(costly(c) for c in children(e))
 
