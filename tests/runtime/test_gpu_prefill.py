@@ -361,3 +361,19 @@ def test_value_head_dim_through_the_c_path(cp):
         again = attn.run(q, (kc, vc))
         assert again.shape == (3, 8, 128) and torch.equal(again, first)
     assert attn._fast_runs or attn._hostpath is None, "the C path was not taken"
+
+
+# ---------------------------------------------------------------------------- distance tables
+
+# T5's bias and Sandwich's cosines are tabulated per KV tile (attnlang.codegen.distance_terms)
+# where a tile is not tile-uniform: per head for T5, so at 8 query heads per KV head its table
+# (8 x 168 entries) does not fit and those tiles compute the term per score; at 2 it does.
+# Long prompts beside a decode step and a split request: every kind of tile.
+@pytest.mark.parametrize("variant_id, group", [("t5_bias", 2), ("t5_bias", 8),
+                                               ("sandwich", 8)])
+def test_distance_tables(cp, error_log, variant_id, group):
+    run_and_check(cp, attnlang.load(VARIANT_PATHS[variant_id]), [700, 1, 300], [900, 500, 300],
+                  num_qo_heads=2 * group, num_kv_heads=2, head_dim=128, dtype="bfloat16",
+                  page_size=16, seed=zlib.crc32(f"{variant_id}{group}".encode()),
+                  error_log=error_log, where=f"distance table {variant_id} g{group}",
+                  kv_chunk_size=256)
