@@ -18,7 +18,8 @@ from attnlang import ir
 from attnlang.ir import BOOL, FLOAT, INT
 
 __all__ = ["Env", "expr_c", "table_c", "span_c", "member_name", "literal", "c_string", "children",
-           "uses_dim", "CTYPE", "TENSOR_CTYPE", "REDUCE", "ROPE", "VARS"]
+           "reads", "reads_only", "is_invariant", "uses_dim", "CTYPE", "TENSOR_CTYPE", "REDUCE",
+           "ROPE", "VARS", "CHEAP_CALLS"]
 
 CTYPE = {BOOL: "bool", INT: "int", FLOAT: "float"}
 # Bool tables are bytes (torch.bool / numpy bool storage), read as `!= 0`.
@@ -214,6 +215,26 @@ def children(e: ir.Expr) -> tuple[ir.Expr, ...]:
     if isinstance(e, ir.Loop):
         return (e.body,)
     return ()
+
+
+def reads(e: ir.Expr, pred) -> bool:
+    """Does e or a node under it satisfy pred?"""
+    return pred(e) or any(reads(c, pred) for c in children(e))
+
+
+def reads_only(e: ir.Expr, banned: tuple[str, ...], allowed=lambda n: False,
+               bound: frozenset = frozenset()) -> bool:
+    """Does e read none of the built-in names `banned` (outside sub-trees `allowed` accepts)
+    and no reduction variable bound outside it?"""
+    if allowed(e):
+        return True
+    if isinstance(e, ir.Var):
+        return e.name not in banned
+    if isinstance(e, ir.LoopVar):
+        return e.name in bound
+    if isinstance(e, ir.Loop):
+        return reads_only(e.body, banned, allowed, bound | {e.var})
+    return all(reads_only(c, banned, allowed, bound) for c in children(e))
 
 
 def expr_c(e: ir.Expr, env: Env) -> str:

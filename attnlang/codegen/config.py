@@ -56,7 +56,7 @@ HEAD_DIM_PAIRS = tuple((d, d) for d in HEAD_DIMS) + ((192, 128),)
 STATIC_SMEM_LIMIT = 48 * 1024
 # The end of a prefill CTA's shared memory, after its Q tile: the table of a distance term
 # over one KV tile (attnlang.codegen.distance_terms), 768 floats, e.g. 4 heads x 159
-# distances (128 rows at 4 query heads per KV head, tiles of 128 keys). It is what 227 KB
+# distances, 168 apart (128 rows at 4 query heads per KV head, tiles of 128 keys). It is what 227 KB
 # leave beside the wgmma path's 224 KB at head dim 128 (and 99 KB beside the mma.sync path's
 # 96 KB on sm_86/89), so every variant's kernel reserves it: no CTA fewer per SM on any
 # target. A larger table is not built: its tiles compute the term per score.

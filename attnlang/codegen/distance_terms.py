@@ -31,7 +31,15 @@ q_pos = d, kv_pos = 0 is exact: it reads them only through their difference.
 from __future__ import annotations
 
 from attnlang import ir
-from attnlang.codegen.c_expr import CHEAP_CALLS, Env, children, expr_c, is_invariant
+from attnlang.codegen.c_expr import (
+    CHEAP_CALLS,
+    Env,
+    children,
+    expr_c,
+    is_invariant,
+    reads,
+    reads_only,
+)
 
 __all__ = ["distance_term", "reads_head", "lower_distance"]
 
@@ -44,21 +52,13 @@ def _is_distance(e: ir.Expr) -> bool:
 
 
 def _reads_distance(e: ir.Expr) -> bool:
-    return _is_distance(e) or any(_reads_distance(c) for c in children(e))
+    return reads(e, _is_distance)
 
 
-def _only_distance(e: ir.Expr, bound: frozenset = frozenset()) -> bool:
+def _only_distance(e: ir.Expr) -> bool:
     """Does e read the positions only as their difference, no score and no loop variable
     bound outside it?"""
-    if _is_distance(e):
-        return True
-    if isinstance(e, ir.Var):
-        return e.name not in (*_POSITIONS, "logits")
-    if isinstance(e, ir.LoopVar):
-        return e.name in bound
-    if isinstance(e, ir.Loop):
-        return _only_distance(e.body, bound | {e.var})
-    return all(_only_distance(c, bound) for c in children(e))
+    return reads_only(e, (*_POSITIONS, "logits"), _is_distance)
 
 
 def _costly(e: ir.Expr) -> bool:
@@ -94,7 +94,7 @@ def distance_term(logits: ir.Expr | None) -> ir.Expr | None:
 
 
 def reads_head(e: ir.Expr) -> bool:
-    return (isinstance(e, ir.Var) and e.name == "head") or any(reads_head(c) for c in children(e))
+    return reads(e, lambda n: isinstance(n, ir.Var) and n.name == "head")
 
 
 _TERM_SIG = ("__device__ __forceinline__ float distance_term(const int d, const Params& p, "

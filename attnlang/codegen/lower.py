@@ -269,29 +269,19 @@ _TILE_LEAVES = (lambda name: f"p.{member_name(name)}",
                 lambda e: table_c(e, lambda i: VARS[i.name]))
 
 
-def _uniform_hook(logits: ir.Expr | None, filename: str) -> str:
-    """The logits' tile-uniform terms (`attnlang.codegen.tile_uniform`): found by interval
-    tests per tile, applied by logits_uniform."""
+def _logits_tile_hook(lower_fn, logits: ir.Expr | None, filename: str) -> str:
+    """A hook group of the logits evaluated per tile: lower_fn(logits, lines) with `lines()`
+    a fresh statement collector whose `#line` directives point into the .attn file. The
+    tile-uniform terms (`attnlang.codegen.tile_uniform`: found by interval tests per tile,
+    applied by logits_uniform) and the distance term (`attnlang.codegen.distance_terms`:
+    tabulated per tile by the prefill kernel, read back by logits_distance)."""
     made: list[_Lines] = []
 
     def lines() -> _Lines:
         made.append(_Lines(filename, _line_of(logits)))
         return made[-1]
 
-    text = lower_uniform(logits, literal, *_TILE_LEAVES, lines)
-    return text + ("\n" + LINE_RESET if any(m.used_line for m in made) else "")
-
-
-def _distance_hook(logits: ir.Expr | None, filename: str) -> str:
-    """The logits' distance term (`attnlang.codegen.distance_terms`): tabulated per tile by
-    the prefill kernel, read back by logits_distance."""
-    made: list[_Lines] = []
-
-    def lines() -> _Lines:
-        made.append(_Lines(filename, _line_of(logits)))
-        return made[-1]
-
-    text = lower_distance(logits, lines)
+    text = lower_fn(logits, lines)
     return text + ("\n" + LINE_RESET if any(m.used_line for m in made) else "")
 
 
@@ -395,8 +385,9 @@ def lower(variant: ir.Variant) -> Hooks:
         flags=flags,
         **fns,
         mask_tile=mask_tile,
-        uniform=_uniform_hook(variant.logits, variant.filename),
-        distance=_distance_hook(variant.logits, variant.filename),
+        uniform=_logits_tile_hook(lambda e, lines: lower_uniform(e, literal, *_TILE_LEAVES, lines),
+                                  variant.logits, variant.filename),
+        distance=_logits_tile_hook(lower_distance, variant.logits, variant.filename),
         pair_window=_pair_window_hook(pairs),
         kernel_params=tuple(kernel_params),
         params_init=params_init,

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 
 from attnlang import ir
-from attnlang.codegen.c_expr import CHEAP_CALLS, CTYPE, Env, children, expr_c
+from attnlang.codegen.c_expr import CHEAP_CALLS, CTYPE, Env, children, expr_c, reads, reads_only
 from attnlang.codegen.mask_tiles import TileEnv, interval_of, lower_interval
 
 __all__ = ["uniform_terms", "lower_uniform"]
@@ -43,17 +43,13 @@ MAX_TERMS = 4
 _POSITIONS = ("q_pos", "kv_pos")
 
 
-def _reads(e: ir.Expr, pred) -> bool:
-    return pred(e) or any(_reads(c, pred) for c in children(e))
-
-
 def _reads_position(e: ir.Expr) -> bool:
-    return _reads(e, lambda n: isinstance(n, ir.Var) and n.name in _POSITIONS)
+    return reads(e, lambda n: isinstance(n, ir.Var) and n.name in _POSITIONS)
 
 
 def _costly(e: ir.Expr) -> bool:
     """Does evaluating e per score cost more than integer adds and multiplies?"""
-    return _reads(e, lambda n: isinstance(n, (ir.Call, ir.Cast, ir.ParamIndex, ir.Loop))
+    return reads(e, lambda n: isinstance(n, (ir.Call, ir.Cast, ir.ParamIndex, ir.Loop))
                   or (isinstance(n, ir.Binary) and n.op in ("/", "%", "//", "<<", ">>")))
 
 
@@ -70,7 +66,7 @@ def uniform_terms(logits: ir.Expr | None) -> tuple[ir.Expr, ...]:
 
     def visit(e: ir.Expr) -> None:
         if (e.type is ir.INT and _reads_position(e) and _costly(e)
-                and not _reads(e, lambda n: isinstance(n, (ir.LoopVar, ir.Loop)))):
+                and not reads(e, lambda n: isinstance(n, (ir.LoopVar, ir.Loop)))):
             if e not in found and _ever_uniform(e):
                 found.append(e)
             return
@@ -116,16 +112,8 @@ def uniform_row_parts(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> tup
     >>> [p.name for p in uniform_row_parts(v.logits, uniform_terms(v.logits))]
     ['bias']
     """
-    def row_only(e: ir.Expr, bound: frozenset = frozenset()) -> bool:
-        if e in terms:
-            return True
-        if isinstance(e, ir.Var):
-            return e.name not in ("kv_pos", "logits")
-        if isinstance(e, ir.LoopVar):
-            return e.name in bound
-        if isinstance(e, ir.Loop):
-            return row_only(e.body, bound | {e.var})
-        return all(row_only(c, bound) for c in children(e))
+    def row_only(e: ir.Expr) -> bool:
+        return reads_only(e, ("kv_pos", "logits"), lambda n: n in terms)
 
     def costly(e: ir.Expr) -> bool:
         if e in terms:

@@ -1062,10 +1062,12 @@ struct UniformWindow {
   variant::Uniform lane_u{};   // ... these, for this lane's tile
 
   // Are the terms one value each over tile `tile` (keys kv_start + tile kTileKeys, up to
-  // kv_end) and the queries [q_lo, q_hi]? A bit of the window's ballot: no shuffle.
-  __device__ __forceinline__ bool uniform(const int tile, const int lane, const int kv_start,
-                                          const int kv_end, const int q_lo, const int q_hi,
-                                          const variant::Params& params, const Index& tile_ix) {
+  // kv_end) and the queries [q_lo, q_hi]? A bit of the window's ballot; their values go to
+  // u (one shuffle per term).
+  __device__ __forceinline__ bool get(const int tile, const int lane, const int kv_start,
+                                      const int kv_end, const int q_lo, const int q_hi,
+                                      const variant::Params& params, const Index& tile_ix,
+                                      variant::Uniform& u) {
     if constexpr (variant::kUniformTerms == 0) {
       return false;
     } else {
@@ -1078,21 +1080,12 @@ struct UniformWindow {
                                                     tile_ix, lane_u);
         uniform_bits = __ballot_sync(0xffffffffu, lane_uniform);
       }
+#pragma unroll
+      for (int k = 0; k < variant::kUniformTerms; ++k) {
+        u.v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], tile - base);
+      }
       return (uniform_bits >> (tile - base)) & 1u;
     }
-  }
-
-  // uniform(), and the terms' values to u (one shuffle per term).
-  __device__ __forceinline__ bool get(const int tile, const int lane, const int kv_start,
-                                      const int kv_end, const int q_lo, const int q_hi,
-                                      const variant::Params& params, const Index& tile_ix,
-                                      variant::Uniform& u) {
-    const bool all = uniform(tile, lane, kv_start, kv_end, q_lo, q_hi, params, tile_ix);
-#pragma unroll
-    for (int k = 0; k < variant::kUniformTerms; ++k) {
-      u.v[k] = __shfl_sync(0xffffffffu, lane_u.v[k], tile - base);
-    }
-    return all;
   }
 };
 
