@@ -39,7 +39,7 @@ _LDMATRIX = re.compile(r'asm volatile\("ldmatrix\.sync\.aligned\.m8n8\.x4(\.tran
 _MMA = re.compile(r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.'
                   r'.*?\);', re.S)
 _SMEM_U32 = "return static_cast<unsigned>(__cvta_generic_to_shared(ptr));"
-# prefill.cu.j2's cp.async to a shared-memory address (load_tile), before the base emulator's
+# prefill_tiles.cuh's cp.async to a shared-memory address (load_tile), before the base emulator's
 # substitution of common.cuh's generic-pointer one.
 _CP_ASYNC_SHARED = re.compile(
     r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;'
@@ -55,7 +55,7 @@ def _emulated_source(src: str, kind: str) -> str:
     assert _SMEM_U32 in src, "common.cuh's smem_u32 changed; update the emulator"
     src, n_cp = _CP_ASYNC_SHARED.subn("emu_cp_async(emu_smem() + dst, src, valid);", src)
     assert n_cp == (kind == "prefill"), (
-        "prefill.cu.j2's cp_async_16_shared changed; update the emulator")
+        "prefill_tiles.cuh's cp_async_16_shared changed; update the emulator")
     src = src.replace(_SMEM_U32, "return (unsigned)((const unsigned char*)ptr - emu_smem());")
     src = src.replace("extern __shared__ __align__(1024) unsigned char smem[];",
                       "extern __shared__ __align__(16) unsigned char smem[];")
