@@ -207,7 +207,7 @@ class BatchAttention:
             self.module = compile_variant(variant_or_module, head_dim=self.shape.head_dim,
                                           dtype=self.shape.dtype, arch=arch,
                                           head_dim_vo=self.shape.head_dim_vo)
-        # The IR mask trims each work unit's KV range at plan time (planner._trim). A module
+        # The IR mask trims each work unit's KV range at plan time (plan_trim.trim). A module
         # loaded from disk (load_compiled) carries no IR: its plans cover the whole KV range
         # and the kernels skip the EMPTY tiles themselves.
         variant = (variant_or_module if isinstance(variant_or_module, ir.Variant)

@@ -8,7 +8,7 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
    A unit is one (request, kv_head, row tile); it needs the request's whole KV sequence, or,
    given the variant's mask, only the span from its first to its last KV tile that the mask
    analysis (`mask_tiles.classify_tiles`) does not prove EMPTY for the unit's query
-   positions; its KV cost is then the positions of its non-EMPTY tiles (`_trim`).
+   positions; its KV cost is then the positions of its non-EMPTY tiles (`plan_trim.trim`).
 2. KV chunk bound. From the total KV work of all units and the CTA count:
    ``bound = max(min_kv_chunk, ceil(total_kv / num_ctas))`` rounded up to ``kv_align``.
    A unit is split iff its KV span exceeds the bound; then it is cut into
@@ -18,9 +18,10 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
    When that cuts the units into a little more than num_ctas chunks, some CTAs would run two
    chunks while others idle; the bound is then raised to the smallest one that fits every
    chunk in one round, if that costs no more than the second round would (`_one_round_bound`).
-3. Assignment. Chunks are sorted by cost (longest first; ties by creation order) and each
-   goes to the CTA with the least accumulated cost (a heap; ties by CTA index). Everything is
-   integer and ordered, so the same lengths always give bit-identical arrays: no atomics.
+3. Assignment (`plan_assign`). Chunks are sorted by cost (longest first; ties by creation
+   order) and each goes to the CTA with the least accumulated cost (ties by CTA index).
+   Everything is integer and ordered, so the same lengths always give bit-identical arrays:
+   no atomics.
 4. Partial states. Unsplit chunks write the output directly (``work_partial == -1``); split
    ones write partial (o, lse) rows, and the merge arrays list, for every (token, head) of a
    split request, its partial rows in KV order.
@@ -45,12 +46,13 @@ Example::
 from __future__ import annotations
 
 import functools
-import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
+
+from attnlang.runtime import plan_assign, plan_trim
 
 __all__ = [
     "ROW_COST", "KV_COST", "MIN_KV_CHUNK", "PREFILL_MIN_ROWS", "PlanError", "CapacityError",
@@ -323,7 +325,7 @@ def plan_batch(
         mask, head_dim: the variant's IR mask (``ir.Variant.mask``) and the head_dim. With a
             mask, each unit's KV range is trimmed to its first .. last KV tile that the mask
             analysis (`classify_tiles`, params unknown) does not prove fully masked, and it is
-            costed by its non-EMPTY tiles only (see `_trim`). None: the whole [0, kv_len).
+            costed by its non-EMPTY tiles only (`plan_trim.trim`). None: the whole [0, kv_len).
         pairs: the per-pair masks of the batch by name (`pairmask.PairBlocks`): the analysis
             classes their reads by the blocks (without them: unknown).
 
@@ -399,7 +401,8 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     if mask is not None:
         if head_dim is None:
             raise PlanError("plan_batch: head_dim is required with a mask")
-        trim = _trim(mask, qo, kv, u, group_size, num_kv_heads, int(head_dim), kv_align, pairs)
+        trim = plan_trim.trim(mask, qo, kv, u, group_size, num_kv_heads, int(head_dim), kv_align,
+                              pairs)
         span0, span1 = trim.span0, trim.span1
         span = span1 if span0 is None else span1 - span0
         if trim.cum is None:  # no tiles (causal decode): as unmasked, over the trimmed spans
@@ -493,7 +496,7 @@ class _Units:
     _classes: dict = field(default_factory=dict)
 
     def classes(self, qo, by_head: bool):
-        """The units the mask analysis classifies, for `_trim`: every unit if by_head, else
+        """The units the mask analysis classifies (`plan_trim.trim`): every unit if by_head, else
         the kv_head 0 unit of each (request, row tile), which stands for all KV heads.
         Returns (ci, req, qo, q_lo, q_hi, kvh): ci [units] the classified unit standing for
         each unit, then per classified unit its request, qo_len, query offsets of its first
@@ -572,13 +575,13 @@ def _work_lists(cost, item_fields, num_ctas):
     n = cost.shape[0]
     if n and int(cost.min()) == int(cost.max()) > 0:
         # All equal (uniform decode batches): creation order, round robin from CTA 0 (what
-        # the sort and _assign give), so CTA c runs items c, c + m, c + 2m, ...
+        # the sort and plan_assign.assign give), so CTA c runs items c, c + m, c + 2m, ...
         cta_of_sorted = np.arange(n, dtype=np.int64) % num_ctas
         grid = np.arange(-(-n // num_ctas) * num_ctas).reshape(-1, num_ctas).T.ravel()
         items = grid[grid < n]
     else:
         order = np.argsort(-cost, kind="stable")
-        cta_of_sorted = _assign(cost[order], num_ctas)
+        cta_of_sorted = plan_assign.assign(cost[order], num_ctas)
         # Group by CTA, keeping assignment order within a CTA.
         items = order[np.argsort(cta_of_sorted, kind="stable")]
     work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
@@ -638,119 +641,6 @@ def _empty_plan(lens32, *, num_kv_heads, group_size, rows_per_tile, num_ctas, mi
     )
 
 
-def _assign(sorted_cost: np.ndarray, num_ctas: int) -> np.ndarray:
-    """Greedy LPT: item i (costs sorted descending) -> the least-loaded CTA, ties by index.
-
-    Exactly the heap algorithm (`_assign_heap`), in vectorized steps where they provably
-    pick the same CTAs: a long run of equal costs (`_assign_equal`), else a round of one
-    item per CTA (`_assign_round`); the heap itself where a round places few items.
-    """
-    n, m = sorted_cost.shape[0], num_ctas
-    if n <= m:
-        # Every CTA is empty when its item arrives: the heap would pick CTA i for item i.
-        return np.arange(n, dtype=np.int64)
-    loads = np.zeros(m, dtype=np.int64)
-    out = np.empty(n, dtype=np.int64)
-    i = 0
-    if sorted_cost[m - 1] > 0:
-        # Every CTA is empty when one of the first m items arrives: CTA i takes item i.
-        out[:m] = np.arange(m)
-        loads[:] = sorted_cost[:m]
-        i = m
-    while i < n:
-        c = int(sorted_cost[i])
-        if c > 0 and i + _RUN_MIN <= n and sorted_cost[i + _RUN_MIN - 1] == c:  # a long run
-            end = i + int(np.count_nonzero(sorted_cost[i:] == c))
-            picks = _assign_equal(loads, c, end - i)
-            if picks is not None:
-                out[i:end] = picks
-                i = end
-                continue
-        placed = _assign_round(loads, sorted_cost[i:i + m], out[i:i + m])
-        i += placed
-        if placed < _RUN_MIN and i < n:
-            # Loads too uneven for rounds: the heap for a while (a round costs about as much
-            # as the heap placing a few dozen items).
-            stop = min(n, i + max(m, _HEAP_STRETCH))
-            out[i:stop] = _assign_heap(loads, sorted_cost[i:stop])
-            i = stop
-    return out
-
-
-# Shortest run of equal costs (or round) worth a vectorized step; heap stretch after a short
-# round.
-_RUN_MIN = 64
-_HEAP_STRETCH = 256
-
-
-def _assign_round(loads: np.ndarray, costs: np.ndarray, out: np.ndarray) -> int:
-    """Place the next b >= 1 items (costs sorted descending, at most one per CTA) as the heap
-    would, for the largest b this proves; updates `loads`, writes out[:b], returns b.
-
-    With the CTAs in heap order s_1 < s_2 < ... (by (load, index)), item i goes to s_i as long
-    as no CTA that took an item of this round comes back before s_i: those keys are at least
-    L(s_1) + costs[b - 1], so ``L(s_1) + costs[i] > L(s_i)`` for i < b suffices (both sides
-    are monotone in i). Item 0 always goes to s_1.
-    """
-    order = np.argsort(loads, kind="stable")  # ties by index: the heap's (load, cta) order
-    k = costs.shape[0]
-    least = loads[order[:k]]
-    ok = least[0] + costs > least
-    b = k if ok.all() else max(int(ok.argmin()), 1)
-    picks = order[:b]
-    out[:b] = picks
-    loads[picks] += costs[:b]
-    return b
-
-
-def _assign_heap(loads: np.ndarray, costs: np.ndarray) -> np.ndarray:
-    """The plain heap loop over `costs`, starting from (and updating) `loads`."""
-    m = loads.shape[0]
-    # Heap keys pack (load, cta) into one int, load * stride + cta: the same order as the
-    # tuple, several times faster to compare. A sorted list is a valid heap.
-    stride = 1 << max(m - 1, 1).bit_length()
-    heap = sorted((loads * stride + np.arange(m)).tolist())
-    mask = stride - 1
-    out = []
-    append, replace = out.append, heapq.heapreplace
-    for c in costs.tolist():
-        key = heap[0]
-        append(key & mask)
-        replace(heap, key + c * stride)
-    keys = np.asarray(heap, dtype=np.int64)
-    loads[keys & mask] = keys // stride
-    return np.asarray(out, dtype=np.int64)
-
-
-def _assign_equal(loads: np.ndarray, c: int, k: int) -> np.ndarray | None:
-    """k items of equal cost c, as the heap would place them; updates `loads`.
-
-    Giving an item to CTA j at load L turns its heap key into L + c, CTA j's next candidate,
-    so the heap's picks are the k smallest pairs (L_j + t c, j), t >= 0, in (value, j)
-    order. Equal loads make that round robin from CTA 0. Otherwise the k-th smallest value is
-    at most max(L) + c ceil(k / m) (every CTA has ceil(k/m) + 1 candidates up to there), so
-    only those candidates are generated. Returns None (use the heap) when the loads are so
-    uneven that there would be too many.
-    """
-    m = loads.shape[0]
-    top = int(loads.max())
-    if int(loads.min()) == top and c > 0:
-        picks = np.arange(k, dtype=np.int64) % m
-        loads += c * (k // m + (np.arange(m) < k % m))
-        return picks
-    hi = top + c * -(-k // m)
-    per_cta = (hi - loads) // c + 1
-    total = int(per_cta.sum())
-    if total > 8 * k + 2 * m:
-        return None
-    cta = np.repeat(np.arange(m, dtype=np.int64), per_cta)
-    t = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(per_cta) - per_cta, per_cta)
-    value = loads[cta] + t * c
-    picks = cta[np.lexsort((cta, value))[:k]]
-    loads += c * np.bincount(picks, minlength=m)
-    return picks
-
-
 @dataclass(frozen=True, eq=False)
 class _Merge:
     """A list's merge rows (Plan's merge_* fields): frozen int32 arrays and their count."""
@@ -808,144 +698,6 @@ def _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit_of_req, unit
     rows.setflags(write=False)
     return _Merge(count=int(m_req.shape[0]), indptr=_frozen(indptr), slots=_frozen(slots),
                   token=rows[0], head=rows[1], request=rows[2])
-
-
-# KV tiles of the planner's mask analysis: at least this many keys (a multiple of the
-# kernel's KV tile, so trimmed spans start on kernel tile boundaries). Coarser tiles make
-# fewer (unit, tile) pairs to classify; the kernel still skips its own finer EMPTY tiles.
-TRIM_TILE = 128
-
-
-@dataclass(frozen=True, eq=False)
-class _Trim:
-    """Per unit: KV span [span0, span1) and, per (unit, tile) pair, visible positions."""
-
-    span0: np.ndarray | None  # None: all 0 (no unit needed tiles)
-    span1: np.ndarray
-    tile: int
-    pair_off: np.ndarray | None  # [units] first pair of the unit's representative
-    ntile: np.ndarray | None  # [units], 0: untiled (FULL or EMPTY as a whole)
-    cum: np.ndarray | None  # [pairs + 1] prefix sums of visible positions; None: no tiles
-
-    def visible_between(self, unit, kv0, kv1) -> np.ndarray:
-        """Positions of non-EMPTY tiles in [kv0, kv1) (tile-granular: a chunk boundary
-        inside a tile counts that tile in full, capped at the chunk length). unit: the
-        unit of each range; None: one range per unit, in unit order."""
-        if self.cum is None:  # no unit needed tiles
-            return kv1 - kv0
-        ntile = self.ntile if unit is None else self.ntile[unit]
-        tiled = ntile > 0  # else the unit's span is all FULL (or empty)
-        t0 = np.where(tiled, kv0 // self.tile, 0)
-        t1 = np.minimum(-(-kv1 // self.tile), ntile)
-        off = self.pair_off if unit is None else self.pair_off[unit]
-        vis = self.cum[off + np.maximum(t1, t0)] - self.cum[off + t0]
-        return np.where(tiled, np.minimum(vis, kv1 - kv0), kv1 - kv0)
-
-
-@functools.cache
-def _mask_tiles():
-    """attnlang.codegen.mask_tiles, imported on first use (an import statement per call
-    costs microseconds)."""
-    from attnlang.codegen import mask_tiles
-
-    return mask_tiles
-
-
-def _reads_head(mask) -> bool:
-    """Whether the mask reads `head` or `kv_head` (memoized per mask object: plan() asks
-    with the same mask every call)."""
-    hit = _READS_HEAD.get(id(mask))
-    if hit is None or hit[0] is not mask:
-        if len(_READS_HEAD) >= 64:
-            _READS_HEAD.clear()
-        names = _mask_names(mask, set())
-        hit = _READS_HEAD[id(mask)] = (mask, "head" in names or "kv_head" in names)
-    return hit[1]
-
-
-# id(mask) -> (mask, reads head): the mask is kept so its id cannot be reused meanwhile.
-_READS_HEAD: dict[int, tuple[Any, bool]] = {}
-
-
-def _mask_names(e, out: set) -> set:
-    """Names of the Vars an IR expression reads (walks dataclass fields)."""
-    from attnlang import ir
-
-    if isinstance(e, ir.Var):
-        out.add(e.name)
-    elif isinstance(e, (tuple, list)):
-        for x in e:
-            _mask_names(x, out)
-    elif isinstance(e, ir.Expr):
-        for f in fields(e):
-            if f.name != "span":
-                _mask_names(getattr(e, f.name), out)
-    return out
-
-
-def _trim(mask, qo, kv, u: _Units, group_size, num_kv_heads, head_dim, kv_align,
-          pairs=None) -> _Trim:
-    """Classify every (unit, KV tile) pair with the mask analysis at the unit's query
-    positions (q_pos = kv_len - qo_len + fused_row // group) in one vectorised call, and
-    trim each unit to its first .. last non-EMPTY tile. Sound: the analysis is conservative
-    (EMPTY means every pair of the tile is masked for any params), so only tiles without a
-    visible pair leave the span. A unit with no non-EMPTY tile gets the empty span [0, 0):
-    one item that writes its rows' o = 0 / lse = -inf. Units of different KV heads share
-    the classification when the mask reads neither `head` nor `kv_head`."""
-    mt = _mask_tiles()
-    EMPTY, FULL, PARTIAL, TileEnv, classify_tiles = (  # noqa: N806
-        mt.EMPTY, mt.FULL, mt.PARTIAL, mt.TileEnv, mt.classify_tiles)
-    tile = -(-TRIM_TILE // kv_align) * kv_align
-    ci, req, qo_c, lo, hi, kvh = u.classes(qo, _reads_head(mask))
-    kv_len = kv[req]
-    q_first = kv_len - qo_c
-    q_lo, q_hi = q_first + lo, q_first + hi
-    num_cls = req.shape[0]
-    geometry = dict(num_heads=num_kv_heads * group_size, num_kv_heads=num_kv_heads,
-                    head_dim=head_dim, pairs=pairs)
-    # Level 0: the unit's whole range. FULL (causal decode) or EMPTY needs no tiles.
-    whole = classify_tiles(mask, TileEnv(q_lo=q_lo, q_hi=q_hi, kv_lo=_ZERO_POS,
-                                         kv_hi=kv_len - 1, batch=req, kv_head=kvh,
-                                         qo_len=qo_c, kv_len=kv_len, **geometry))
-    tiled = whole == PARTIAL
-    if not tiled.any():
-        s1 = np.where(whole == FULL, kv_len, 0)[ci]
-        return _Trim(span0=None, span1=s1, tile=tile, pair_off=None, ntile=None, cum=None)
-    ntile_c = np.where(tiled, -(-kv_len // tile), 0)
-    p_of = np.repeat(np.arange(num_cls, dtype=np.int64), ntile_c)
-    first_pair = np.cumsum(ntile_c) - ntile_c
-    t = np.arange(p_of.shape[0], dtype=np.int64) - first_pair[p_of]
-    kv_lo = t * tile
-    kv_hi = np.minimum(kv_lo + tile, kv_len[p_of]) - 1
-    env = TileEnv(q_lo=q_lo[p_of], q_hi=q_hi[p_of], kv_lo=kv_lo, kv_hi=kv_hi,
-                  batch=req[p_of], kv_head=kvh[p_of], qo_len=qo_c[p_of],
-                  kv_len=kv_len[p_of], **geometry)
-    visible = (classify_tiles(mask, env) != EMPTY) if p_of.size else np.zeros(0, bool)
-    vis_pos = np.where(visible, kv_hi - kv_lo + 1, 0)
-    cum = np.concatenate(([0], np.cumsum(vis_pos)))
-    # First / last non-EMPTY tile per classified unit (pairs are ordered (unit, tile)).
-    nz = np.flatnonzero(visible)
-    nz_unit = p_of[nz]
-    has = np.zeros(num_cls, dtype=bool)
-    t_first = np.zeros(num_cls, dtype=np.int64)
-    t_last = np.full(num_cls, -1, dtype=np.int64)
-    if nz.size:
-        starts = np.flatnonzero(np.diff(nz_unit, prepend=-1))
-        ends = np.append(starts[1:], nz.size) - 1
-        w = nz_unit[starts]
-        has[w] = True
-        t_first[w] = t[nz[starts]]
-        t_last[w] = t[nz[ends]]
-    s0_c = np.where(has, t_first * tile, 0)
-    s1_c = np.where(has, np.minimum((t_last + 1) * tile, kv_len), 0)
-    s1_c = np.where(whole == FULL, kv_len, s1_c)  # untiled: FULL whole range, EMPTY [0, 0)
-    # Map every unit to its classified representative.
-    return _Trim(span0=s0_c[ci], span1=s1_c[ci], tile=tile, pair_off=first_pair[ci],
-                 ntile=ntile_c[ci], cum=cum)
-
-
-_ZERO_POS = np.zeros((), dtype=np.int64)  # kv_lo of every whole range (broadcasts)
-_ZERO_POS.setflags(write=False)
 
 
 def _item_rows(fused_rows: np.ndarray, row_start: np.ndarray, rows_per_tile: int) -> np.ndarray:

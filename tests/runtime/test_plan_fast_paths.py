@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import attnlang as al
-from attnlang.runtime import planner
+from attnlang.runtime import plan_assign, plan_trim, planner
 from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
 
 
@@ -168,7 +168,7 @@ def test_assign_matches_the_heap(shape):
         else:  # long equal tail after distinct heads: an equal run on uneven loads
             values = np.concatenate((rng.integers(100, 10000, n // 3), np.full(n - n // 3, 40)))
         costs = np.ascontiguousarray(np.sort(values)[::-1]).astype(np.int64)
-        assert planner._assign(costs, m).tolist() == _heap_assign(costs.tolist(), m)
+        assert plan_assign.assign(costs, m).tolist() == _heap_assign(costs.tolist(), m)
 
 
 def test_assign_round_places_what_the_heap_places():
@@ -181,7 +181,7 @@ def test_assign_round_places_what_the_heap_places():
         expect_loads = loads.copy()
         heap = [(int(v), c) for c, v in enumerate(loads)]
         heapq.heapify(heap)
-        b = planner._assign_round(loads, costs, out)
+        b = plan_assign.assign_round(loads, costs, out)
         assert 1 <= b <= costs.shape[0]
         for i in range(b):
             load, cta = heapq.heappop(heap)
@@ -223,7 +223,7 @@ def test_masked_fast_paths_match_unmemoized_plans():
             a = plan_mixed(qo, kv, num_kv_heads=8, group_size=4, **tilings, mask=mask,
                            head_dim=128)
             planner._UNITS.clear()
-            planner._READS_HEAD.clear()
+            plan_trim._READS_HEAD.clear()
             b = plan_mixed(qo, kv, num_kv_heads=8, group_size=4, **tilings, mask=mask,
                            head_dim=128)
             assert a.same_as(b)

@@ -7,7 +7,7 @@ import pytest
 
 import attnlang as al
 from attnlang import interpret, ir
-from attnlang.runtime import pairmask, planner
+from attnlang.runtime import pairmask, plan_trim, planner
 from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
 from tests.codegen.test_mask_tiles import VARIANTS, random_params
 
@@ -125,7 +125,7 @@ def test_sliding_window_decode_is_trimmed_to_the_window():
                       num_ctas=528, kv_align=32, mask=_window(4096).mask, head_dim=128)
     spans = plan.work_kv_end.astype(int) - plan.work_kv_start
     per_unit = np.bincount(plan.work_request * 8 + plan.work_kv_head, weights=spans)
-    assert (per_unit >= 4096).all() and (per_unit <= 4096 + planner.TRIM_TILE).all()
+    assert (per_unit >= 4096).all() and (per_unit <= 4096 + plan_trim.TRIM_TILE).all()
     assert plan.work_kv_end.max() == 8192 and plan.work_kv_start.min() >= 8192 - 4096 - 128
     full = plan_batch(np.ones(32, int), kv, num_kv_heads=8, group_size=4, rows_per_tile=4,
                       num_ctas=528, kv_align=32, mask=None)

@@ -4,7 +4,7 @@ capacities and edge cases. No GPU needed."""
 import numpy as np
 import pytest
 
-from attnlang.runtime import planner
+from attnlang.runtime import plan_assign
 from attnlang.runtime.planner import (
     KV_COST,
     MIN_KV_CHUNK,
@@ -149,9 +149,9 @@ def test_equal_cost_fast_path_matches_the_heap(monkeypatch):
         n = int(rng.integers(0, 400))
         values = rng.choice([1, 2, 3, 50, 51, 400], n) if trial % 2 else rng.integers(1, 9, n)
         costs = np.ascontiguousarray(np.sort(values)[::-1]).astype(np.int64)
-        monkeypatch.setattr(planner, "_RUN_MIN", int(rng.integers(2, 8)))
-        fast = planner._assign(costs, m)
-        slow = (planner._assign_heap(np.zeros(m, np.int64), costs) if n > m
+        monkeypatch.setattr(plan_assign, "RUN_MIN", int(rng.integers(2, 8)))
+        fast = plan_assign.assign(costs, m)
+        slow = (plan_assign.assign_heap(np.zeros(m, np.int64), costs) if n > m
                 else np.arange(n))
         assert np.array_equal(fast, slow)
 
