@@ -6,8 +6,9 @@ bf16, 32 query / 8 KV heads, head_dim 128, page 16 (pages shuffled). Workloads:
   and a 64-node token tree (random parents): queries are the 64 nodes, each sees the context
   and its ancestors (examples/spec_tree.attn);
 - block-sparse causal: one request of 8192 tokens, a lower-triangular layout of 64 x 64
-  blocks (the density of causal, at block granularity), and a random layout of 64 x 64 blocks
-  at half density.
+  blocks (the density of causal, at block granularity), and random layouts at half density of
+  64 x 64 blocks and of 128 x 128 blocks (FlexAttention's default block size, the prefill
+  kernel's tile on the H100: a whole tile visible or not).
 Contenders:
 - attnlang spec_tree (the mask given to plan(): packed bits, tiles skipped by the summary);
 - attnlang causal on the same lengths (the same density for block-sparse causal; for the
@@ -57,9 +58,11 @@ def workloads(rng) -> dict:
     n = 8192 // 64
     tril = blocks(np.tril(np.ones((n, n), bool)), 64, 8192, 8192)
     half = blocks(rng.random((n, n)) < 0.5, 64, 8192, 8192)
+    half128 = blocks(rng.random((n // 2, n // 2)) < 0.5, 128, 8192, 8192)
     return {"tree 16 x (4096 + 64)": ([64] * 16, [4096 + 64] * 16, tree),
             "block-sparse causal S8192": ([8192], [8192], [tril]),
-            "block-sparse random 50% S8192": ([8192], [8192], [half])}
+            "block-sparse random 50% S8192": ([8192], [8192], [half]),
+            "block-sparse random 50% 128-blocks S8192": ([8192], [8192], [half128])}
 
 
 def main() -> int:
