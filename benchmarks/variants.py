@@ -19,7 +19,7 @@ evaluation of the same bf16 inputs).
 Run from the repository root on the GPU machine:
     python3 benchmarks/variants.py [--out $OUT] [--variants causal,softcap,alibi]
                                    [--workloads decode]
-(alibi gets geometric slopes; other variants their params' defaults.)
+(alibi gets geometric slopes, qk_norm weights near 1; other variants their params' defaults.)
 """
 
 from __future__ import annotations
@@ -53,6 +53,9 @@ def params_for(torch, name: str, batch: int, rng) -> dict:
     if name == "alibi":
         return {"slopes": torch.tensor(2.0 ** (-8.0 * np.arange(1, HQ + 1) / HQ),
                                        dtype=torch.float32, device="cuda")}
+    if name == "qk_norm":
+        return {w: torch.tensor(1.0 + 0.1 * rng.standard_normal(D), dtype=torch.float32,
+                                device="cuda") for w in ("wq", "wk")}
     if name == "longformer":
         g = np.zeros((batch, 16384), bool)
         g[:, [0, 1, 2]] = True
