@@ -146,6 +146,34 @@ def test_per_token_tables_skip_tiles(split, workdir):
           "bfloat16")
 
 
+def _runs_of_keys(rng, rows: int, length: int) -> np.ndarray:
+    """Keys kept in long runs (tiles all true or all false), single keys at odd offsets in
+    false runs, and a noisy stretch: every class of a tile's stretch, 16-byte chunks and
+    unaligned heads and tails included."""
+    g = np.zeros((rows, length), bool)
+    for r in range(rows):
+        pos = int(rng.integers(0, 7))
+        while pos < length:
+            run = int(rng.integers(20, 300))
+            g[r, pos:pos + run] = bool(rng.integers(0, 2))
+            pos += run
+        g[r, rng.integers(0, length, 6)] = True
+        noisy = int(rng.integers(0, length - 100))
+        g[r, noisy:noisy + 100] = rng.random(100) < 0.5
+    return g
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_bool_table_stretches(seed, workdir):
+    # A mask that is a per-token table only: each KV tile is classed by scanning its stretch
+    # of the table (common.cuh bytes_tri, 16 bytes to a load); a stretch called all true
+    # that is not, or all false that is not, drops or keeps keys and fails the reference.
+    v = attnlang.parse("variant keep\nparam keep: bool[batch, 4096]\nmask = keep[batch, kv_pos]")
+    g = _runs_of_keys(np.random.default_rng(seed), 3, 4096)
+    check(emulator.run_case(v, workdir, qo_lens=(1, 1, 1), kv_lens=(1500, 777, 61),
+                            num_ctas=3, params={"keep": g}), "bfloat16")
+
+
 @pytest.mark.parametrize("offset", [100_000, 3_000_000])
 def test_rope_at_large_positions(offset, workdir):
     # rope_norm_window adds offset[batch] to the positions of its rope (query) and

@@ -90,6 +90,19 @@ def test_per_token_tables_skip_tiles(split, workdir):
     assert r.rel_err <= TOL["bfloat16"], r
 
 
+def test_bool_table_stretches(workdir):
+    # Prefill over a per-token table mask: the tile cursor and the warps' refinement class
+    # each tile by its stretch of the table (bytes_tri), as in the decode test of that name.
+    from tests.codegen.test_emulated import _runs_of_keys
+
+    v = attnlang.parse("variant keep\nparam keep: bool[batch, 4096]\nmask = keep[batch, kv_pos]")
+    g = _runs_of_keys(np.random.default_rng(2), 2, 4096)
+    r = emulator_prefill.run_case(v, workdir / "keep", qo_lens=(40, 3), kv_lens=(1300, 500),
+                                  params={"keep": g})
+    assert r.prefill_items > 0 and not r.has_nan, r
+    assert r.rel_err <= TOL["bfloat16"], r
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_prefill_emulated(name, workdir):
     path, kwargs = CASES[name]
