@@ -52,6 +52,8 @@
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
+//   table_at, span_tri       a table read (0 outside); a bool table's class over a stretch
+//   bytes_tri(p, a, b)       the class of bytes p[a..b], 16 bytes to a load
 //   pair_bit, pair_tile      an element / a box's class of a per-pair mask (bool[q, kv])
 //   PairWindow, make_pair_window<kKeys>   a row's bits over a tile, loaded once
 //   ilog2(n)                 floor(log2 n), constexpr
@@ -200,6 +202,48 @@ __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes)
   return inside ? value : T(0);
 }
 
+// The class of the bytes p[a .. b] (a <= b; 0 all zero, 1 mixed, 2 all nonzero), 16 bytes
+// to a load where p is aligned and four loads to a test: a tile's stretch of a bool table is
+// 64-128 bytes, and a byte at a time was a chain of dependent loads that cost Longformer's
+// prefill most of its time (benchmarks/NOTES.md).
+__device__ __forceinline__ bool has_zero_byte(const unsigned w) {
+  return ((w - 0x01010101u) & ~w & 0x80808080u) != 0u;
+}
+
+__device__ __forceinline__ int bytes_tri(const unsigned char* __restrict__ p, const int a,
+                                         const int b) {
+  bool any = false, all = true;
+  int i = a;
+  for (; i <= b && (reinterpret_cast<unsigned long long>(p + i) & 15u) != 0u; ++i) {
+    const bool x = __ldg(p + i) != 0;
+    any = any || x;
+    all = all && x;
+  }
+  for (; i + 63 <= b && (all || !any); i += 64) {
+    uint4 w[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) w[c] = __ldg(reinterpret_cast<const uint4*>(p + i) + c);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      any = any || (w[c].x | w[c].y | w[c].z | w[c].w) != 0u;
+      all = all && !(has_zero_byte(w[c].x) || has_zero_byte(w[c].y) ||
+                     has_zero_byte(w[c].z) || has_zero_byte(w[c].w));
+    }
+  }
+  for (; i + 15 <= b && (all || !any); i += 16) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(p + i));
+    any = any || (w.x | w.y | w.z | w.w) != 0u;
+    all = all && !(has_zero_byte(w.x) || has_zero_byte(w.y) || has_zero_byte(w.z) ||
+                   has_zero_byte(w.w));
+  }
+  for (; i <= b && (all || !any); ++i) {
+    const bool x = __ldg(p + i) != 0;
+    any = any || x;
+    all = all && x;
+  }
+  return all ? 2 : any ? 1 : 0;
+}
+
 // The class of a bool table over the positions [lo, hi] along its last axis (the mask
 // analysis's tri: 0 every one false, 1 mixed, 2 every one true), for `is_global[batch,
 // kv_pos]` over a tile's keys: axes as table_at's for the other indices. Positions outside
@@ -209,13 +253,11 @@ __device__ __forceinline__ int span_tri(const unsigned char* __restrict__ table,
                                         const int hi, const int extent, Axes... axes) {
   int flat = 0;
   if (!table_offset(flat, axes..., Known{0}, extent)) return 0;
-  bool any = false, all = lo >= 0 && hi < extent;
-  for (int i = imax(lo, 0); i <= imin(hi, extent - 1) && (all || !any); ++i) {
-    const bool x = table[flat + i] != 0;
-    any = any || x;
-    all = all && x;
-  }
-  return all ? 2 : any ? 1 : 0;
+  const int a = imax(lo, 0), b = imin(hi, extent - 1);
+  if (a > b) return 0;  // the whole stretch is outside the axis: false
+  const int cls = bytes_tri(table + flat, a, b);
+  // Positions outside the axis read false: the stretch is then at most mixed.
+  return cls == 2 && (lo < 0 || hi >= extent) ? 1 : cls;
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -1007,13 +1049,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 10 "examples/sandwich.attn"
   return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) * (1.0f / 128.0f)) * 13.287712379549449f))))); return acc; }())));
 }
-#line 1011 "sandwich_decode.cu"
+#line 1053 "sandwich_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/sandwich.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1017 "sandwich_decode.cu"
+#line 1059 "sandwich_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1023,7 +1065,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/sandwich.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1027 "sandwich_decode.cu"
+#line 1069 "sandwich_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };
@@ -1045,7 +1087,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 10 "examples/sandwich.attn"
   return (s + t);
 }
-#line 1049 "sandwich_decode.cu"
+#line 1091 "sandwich_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

@@ -52,6 +52,8 @@
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
+//   table_at, span_tri       a table read (0 outside); a bool table's class over a stretch
+//   bytes_tri(p, a, b)       the class of bytes p[a..b], 16 bytes to a load
 //   pair_bit, pair_tile      an element / a box's class of a per-pair mask (bool[q, kv])
 //   PairWindow, make_pair_window<kKeys>   a row's bits over a tile, loaded once
 //   ilog2(n)                 floor(log2 n), constexpr
@@ -200,6 +202,48 @@ __device__ __forceinline__ T table_at(const T* __restrict__ table, Axes... axes)
   return inside ? value : T(0);
 }
 
+// The class of the bytes p[a .. b] (a <= b; 0 all zero, 1 mixed, 2 all nonzero), 16 bytes
+// to a load where p is aligned and four loads to a test: a tile's stretch of a bool table is
+// 64-128 bytes, and a byte at a time was a chain of dependent loads that cost Longformer's
+// prefill most of its time (benchmarks/NOTES.md).
+__device__ __forceinline__ bool has_zero_byte(const unsigned w) {
+  return ((w - 0x01010101u) & ~w & 0x80808080u) != 0u;
+}
+
+__device__ __forceinline__ int bytes_tri(const unsigned char* __restrict__ p, const int a,
+                                         const int b) {
+  bool any = false, all = true;
+  int i = a;
+  for (; i <= b && (reinterpret_cast<unsigned long long>(p + i) & 15u) != 0u; ++i) {
+    const bool x = __ldg(p + i) != 0;
+    any = any || x;
+    all = all && x;
+  }
+  for (; i + 63 <= b && (all || !any); i += 64) {
+    uint4 w[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) w[c] = __ldg(reinterpret_cast<const uint4*>(p + i) + c);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      any = any || (w[c].x | w[c].y | w[c].z | w[c].w) != 0u;
+      all = all && !(has_zero_byte(w[c].x) || has_zero_byte(w[c].y) ||
+                     has_zero_byte(w[c].z) || has_zero_byte(w[c].w));
+    }
+  }
+  for (; i + 15 <= b && (all || !any); i += 16) {
+    const uint4 w = __ldg(reinterpret_cast<const uint4*>(p + i));
+    any = any || (w.x | w.y | w.z | w.w) != 0u;
+    all = all && !(has_zero_byte(w.x) || has_zero_byte(w.y) || has_zero_byte(w.z) ||
+                   has_zero_byte(w.w));
+  }
+  for (; i <= b && (all || !any); ++i) {
+    const bool x = __ldg(p + i) != 0;
+    any = any || x;
+    all = all && x;
+  }
+  return all ? 2 : any ? 1 : 0;
+}
+
 // The class of a bool table over the positions [lo, hi] along its last axis (the mask
 // analysis's tri: 0 every one false, 1 mixed, 2 every one true), for `is_global[batch,
 // kv_pos]` over a tile's keys: axes as table_at's for the other indices. Positions outside
@@ -209,13 +253,11 @@ __device__ __forceinline__ int span_tri(const unsigned char* __restrict__ table,
                                         const int hi, const int extent, Axes... axes) {
   int flat = 0;
   if (!table_offset(flat, axes..., Known{0}, extent)) return 0;
-  bool any = false, all = lo >= 0 && hi < extent;
-  for (int i = imax(lo, 0); i <= imin(hi, extent - 1) && (all || !any); ++i) {
-    const bool x = table[flat + i] != 0;
-    any = any || x;
-    all = all && x;
-  }
-  return all ? 2 : any ? 1 : 0;
+  const int a = imax(lo, 0), b = imin(hi, extent - 1);
+  if (a > b) return 0;  // the whole stretch is outside the axis: false
+  const int cls = bytes_tri(table + flat, a, b);
+  // Positions outside the axis read false: the stretch is then at most mixed.
+  return cls == 2 && (lo < 0 || hi >= extent) ? 1 : cls;
 }
 
 // A per-pair mask (`param m: bool[q, kv]`), packed by plan() (attnlang/runtime/pairmask.py)
@@ -1008,7 +1050,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 1012 "tables_decode.cu"
+#line 1054 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1017,13 +1059,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 14 "tests/variants/tables.attn"
   return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 1021 "tables_decode.cu"
+#line 1063 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
   return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 1027 "tables_decode.cu"
+#line 1069 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1033,7 +1075,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(attnlang::span_tri(p.u_keep, kv_lo, kv_hi, 64, attnlang::Known{ix.batch}, 0), tri_lt(IvI::top(), IvI::point(24))), tri_ge(iv_int(iv_mul(to_float(IvI{q_lo, q_hi}), IvF::point(0.5f))), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 1037 "tables_decode.cu"
+#line 1079 "tables_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };
