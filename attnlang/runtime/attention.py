@@ -27,10 +27,8 @@ fill_workspace, kernel_args, PackedArgs). They are re-exported here.
 from __future__ import annotations
 
 import math
-import sys
 import warnings
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -38,14 +36,12 @@ import numpy as np
 from attnlang import ir
 from attnlang.runtime import hostpath, pairmask, planner
 from attnlang.runtime.arrays import (
-    _READERS,
     TensorInfo,
     current_stream_ptr,
     data_ptr,
-    empty_output,
-    read_array,
     to_device_param,
 )
+from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
 from attnlang.runtime.module import KernelModule
 from attnlang.runtime.planner import (
     BatchPlan,
@@ -314,7 +310,7 @@ class BatchAttention:
         self._plan_launches: tuple = ()
         # run()'s validated calls of the current plan, by call_signature; _waited: streams
         # already ordered after the current plan's copy.
-        self._checked: dict[tuple, _CheckedCall] = {}
+        self._checked: dict[tuple, CheckedCall] = {}
         self._waited: set[int] = set()
         # run()'s C path (hostpath.c): a FastRun per validated call signature of the current
         # plan (a few: a model's layers share one), tried before the Python path.
@@ -463,7 +459,7 @@ class BatchAttention:
                 self._checked[key] = checked
         q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr = pointers
         if (q_ptr | k_ptr | v_ptr | out_ptr) & 15:
-            raise ValueError(_misaligned(q=q_ptr, k_cache=k_ptr, v_cache=v_ptr, out=out_ptr))
+            raise ValueError(misaligned(q=q_ptr, k_cache=k_ptr, v_cache=v_ptr, out=out_ptr))
         values = checked.param_values
         if checked.tensor_params:
             values = list(values)
@@ -482,13 +478,13 @@ class BatchAttention:
                                                             stream, capturing)
             out_obj = out
             if out is None:
-                out_obj = _empty_out(q, checked, self.shape.head_dim_vo)
+                out_obj = empty_out(q, checked, self.shape.head_dim_vo)
                 out_ptr = data_ptr(out_obj)
             lse_obj = lse
             if lse is None:
                 lse_ptr = self._lse_scratch.data.ptr
                 if return_lse and self.module.softmax:
-                    lse_obj = _empty_lse(q, checked, (self._inputs.total_q,
+                    lse_obj = empty_lse(q, checked, (self._inputs.total_q,
                                                       self.shape.num_qo_heads))
                     lse_ptr = data_ptr(lse_obj)
             if not capturing and stream != self._copy_stream and stream not in self._waited:
@@ -523,7 +519,7 @@ class BatchAttention:
         return out_obj
 
     def _use_fast_run(self, key: tuple, arrays: tuple, params, sm_scale,
-                      checked: _CheckedCall) -> None:
+                      checked: CheckedCall) -> None:
         """After a Python-path launch: make a FastRun for this signature (from the launch just
         packed) when the C path is built and takes such calls (no lse, no tensor params,
         torch or CuPy arrays), so later calls with it skip Python."""
@@ -602,7 +598,7 @@ class BatchAttention:
             blocks[name] = pairmask.PairBlocks(masks, summary)
         return packed, blocks
 
-    def _check_call(self, q, kv_cache, params, out, lse, sm_scale) -> _CheckedCall:
+    def _check_call(self, q, kv_cache, params, out, lse, sm_scale) -> CheckedCall:
         """Validate one run() call in full (validate_run_inputs) and keep what later calls
         with the same signature reuse."""
         args = validate_run_inputs(self.shape, self.module.params, self._inputs, q, kv_cache,
@@ -616,7 +612,7 @@ class BatchAttention:
         tensors = tuple((i, spec.name) for i, (spec, v) in enumerate(args.params)
                         if isinstance(v, TensorInfo))
         host = tuple(i for i, (_, v) in enumerate(args.params) if isinstance(v, np.ndarray))
-        return _CheckedCall(torch_io=args.q.kind == "torch", param_values=args.params,
+        return CheckedCall(torch_io=args.q.kind == "torch", param_values=args.params,
                             tensor_params=tensors, host_params=host, sm_scale=args.sm_scale,
                             arrays=(args.q, args.k_cache, args.v_cache, args.out, args.lse))
 
@@ -660,100 +656,6 @@ def _block3(block) -> tuple[int, int, int]:
 _CHECKED_CALLS = 64
 # FastRuns per plan, each tried in turn before the Python path (a miss returns early).
 _FAST_RUNS = 4
-
-
-@dataclass(frozen=True)
-class _CheckedCall:
-    """What run() keeps of a validated call: params resolved in declaration order (device
-    tensor params at tensor_params, re-read per call; host ones at host_params, uploaded per
-    call), the softmax scale, and whether outputs are torch tensors."""
-
-    torch_io: bool
-    param_values: tuple[tuple[ir.ParamSpec, Any], ...]
-    tensor_params: tuple[tuple[int, str], ...]
-    host_params: tuple[int, ...]
-    sm_scale: float
-    # The first call's descriptions of q, k_cache, v_cache, out, lse (None where absent):
-    # their pointers serve unmemoised calls.
-    arrays: tuple[TensorInfo | None, ...] = ()
-
-
-def describe_call(q: Any, kv_cache: Any, params: Any, out: Any, lse: Any,
-                  sm_scale: Any) -> tuple[tuple, tuple[int, ...], dict[str, int]] | None:
-    """(key, pointers, tensor_param_pointers) of one run() call; None when it must be
-    validated in full: not a (k, v) pair, params not a dict, host-array params (contents
-    may change), arrays other than CuPy / torch / TensorInfo.
-
-    key: under which run() reuses a validation, made of each array's signature (everything
-    validation reads but the address; `arrays.read_array`), each param's name, type and value
-    (device tensors by signature), and sm_scale's type and value. pointers: q, k_cache,
-    v_cache, out, lse (0 where absent).
-
-    Example: two layers' calls ``(q1, (k1, v1), {"cap": 30.0})`` and
-    ``(q2, (k2, v2), {"cap": 30.0})`` with equal shapes, dtypes and strides share a key.
-    """
-    if (type(kv_cache) is not tuple and type(kv_cache) is not list) or len(kv_cache) != 2:
-        return None
-    k_cache, v_cache = kv_cache
-    try:  # the hot path: array types seen before (arrays._READERS holds their readers)
-        rq, rk, rv = _READERS[type(q)](q), _READERS[type(k_cache)](k_cache), _READERS[
-            type(v_cache)](v_cache)
-    except (KeyError, TypeError):  # a type seen first, or one without a fast path (None)
-        rq, rk, rv = read_array(q), read_array(k_cache), read_array(v_cache)
-        if rq is None or rk is None or rv is None:
-            return None
-    ro = rl = (None, 0)
-    if out is not None and (ro := read_array(out)) is None:
-        return None
-    if lse is not None and (rl := read_array(lse)) is None:
-        return None
-    tensor_ptrs: dict[str, int] = {}
-    if params is None:
-        pkey: tuple = ()
-    elif type(params) is dict:
-        items = []
-        for name, value in params.items():
-            kind = type(value)
-            if kind is float or kind is int or isinstance(value, (np.floating, np.integer)):
-                items.append((name, kind, value))  # the type: True == 1 but bool is an error
-            else:
-                read = read_array(value)
-                if read is None:
-                    return None
-                items.append((name, read[0]))
-                tensor_ptrs[name] = read[1]
-        pkey = tuple(items)
-    else:
-        return None
-    key = (rq[0], rk[0], rv[0], ro[0], rl[0], pkey, type(sm_scale), sm_scale)
-    return key, (rq[1], rk[1], rv[1], ro[1], rl[1]), tensor_ptrs
-
-
-def _misaligned(**pointers: int) -> str:
-    bad = ", ".join(f"{name} at 0x{p:x}" for name, p in pointers.items() if p & 15)
-    return (f"{bad}: the kernels read 16-byte vectors, so q, k_cache, v_cache and out must "
-            "start on a 16-byte boundary; pass a contiguous copy (or a view starting at a "
-            "whole row)")
-
-
-def _empty_out(q: Any, checked: _CheckedCall, head_dim_vo: int):
-    """A new output typed like q (validated: contiguous, q's dtype and device), of
-    head_dim_vo elements per head."""
-    shape = tuple(q.shape[:2]) + (head_dim_vo,)
-    if checked.torch_io:
-        return sys.modules["torch"].empty(shape, dtype=q.dtype, device=q.device)
-    cupy = sys.modules["cupy"]
-    if isinstance(q, cupy.ndarray):
-        return cupy.empty(shape, dtype=q.dtype)  # on the current device: run() has made it q's
-    info = checked.arrays[0]  # another kind of device array: a CuPy output
-    return empty_output(info, shape, info.dtype)[0]
-
-
-def _empty_lse(q: Any, checked: _CheckedCall, shape: tuple[int, int]):
-    if checked.torch_io:
-        torch = sys.modules["torch"]
-        return torch.empty(shape, dtype=torch.float32, device=q.device)
-    return sys.modules["cupy"].empty(shape, dtype=np.float32)
 
 
 def _check_module(module: KernelModule, shape: AttentionShape) -> None:
