@@ -1,6 +1,7 @@
 """Prefill attention, side by side in one run on the same inputs (issue 4).
 
-bf16, head_dim 128, every query row of every prompt (qo_len = kv_len). Workloads:
+bf16, head_dim 128 (`--head-dim 64|256`: the same workloads at another head dim), every query
+row of every prompt (qo_len = kv_len). Workloads:
 - causal and full at (batch, heads, seq) = (1, 32, 4096), (1, 32, 16384), (8, 32, 2048);
 - causal GQA 32 query / 8 KV heads at 8192;
 - at 16384, causal, 32 heads: a sliding window of 1024 (a variant generated into a temp dir:
@@ -40,6 +41,7 @@ each contender's timing (fewer reps, row marked). The tables are printed last.
 
 Run from the repository root on the GPU machine (see benchmarks/README.md):
     python3 benchmarks/prefill.py [--quick] [--only NAME,...] [--out $OUT] [--no-peers]
+                                  [--head-dim 64|128|256]
 """
 
 from __future__ import annotations
@@ -60,7 +62,7 @@ try:
 except ImportError:  # run as `python3 -m benchmarks.prefill`
     from benchmarks import common as C
 
-HEAD_DIM, PAGE = 128, 16
+HEAD_DIM, PAGE = 128, 16  # HEAD_DIM: --head-dim sets it before anything is built
 WINDOW, CAP = 1024, 30.0
 W1024_SOURCE = ("variant w1024\nconst window: int = 1024\n"
                 "mask = causal and q_pos - kv_pos < window\n")
@@ -572,8 +574,8 @@ class Prefill:
     def main(self) -> int:
         args, torch = self.args, self.torch
         env = C.environment(torch)
-        self.run.results.set(env=env)
-        C.log(f"prefill benchmark on {env.get('gpu')} (torch {env.get('torch')}, "
+        self.run.results.set(env=env, head_dim=HEAD_DIM)
+        C.log(f"prefill benchmark (d{HEAD_DIM}) on {env.get('gpu')} (torch {env.get('torch')}, "
               f"cupy {env.get('cupy')}, git {env.get('git')}); budget {args.budget:g} s")
         names = self.only.select(QUICK if args.quick else list(self.specs))
         contenders = ATTNLANG if args.no_peers else self.only.select(CONTENDERS,
@@ -628,8 +630,8 @@ class Prefill:
             [("workload", "workload"), ("contender", "contender"), ("ms", "ms"),
              ("tf", "TFLOP/s"), ("mm", "of mm"), ("paged", "paged/peer"),
              ("contig", "contig/peer"), ("err", "rel err"), ("note", "note")],
-            title=f"Prefill, bf16 d128 ({mm}); TFLOP/s of unmasked pairs; X/peer = peer time "
-                  "/ attnlang X time")
+            title=f"Prefill, bf16 d{HEAD_DIM} ({mm}); TFLOP/s of unmasked pairs; X/peer = peer "
+                  "time / attnlang X time")
         short = {"flashinfer_fa3_paged": "FA3p", "flashinfer_fa3_ragged": "FA3r",
                  "flashinfer_fa2_paged": "FA2p", "sdpa_cudnn": "cuDNN", "sdpa_flash": "flash",
                  "flex": "flex"}
@@ -653,8 +655,8 @@ class Prefill:
         cols += [(p, "x" + short[p]) for p in PEERS]
         table = C.format_table(
             summary, cols,
-            title=f"SUMMARY prefill ({mm}): attnlang TFLOP/s and attnlang_paged/peer speed "
-                  "ratios (>1 = attnlang faster)")
+            title=f"SUMMARY prefill d{HEAD_DIM} ({mm}): attnlang TFLOP/s and attnlang_paged/peer "
+                  "speed ratios (>1 = attnlang faster)")
         if len(shown) < len(rows):
             detail += f"\n({len(rows) - len(shown)} FlashInfer rows left out: {self.fi_note})"
         return detail + "\n\n" + table
@@ -666,11 +668,16 @@ def parse_args(argv=None):
         __doc__.split("\n\n")[0], budget=540, max_seconds=20,
         names_help=f"Workloads: {names}; contenders: {', '.join(CONTENDERS)} "
                    "(attnlang_paged and attnlang_contig always run).")
+    p.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128,
+                   help="head dim of every workload (default 128)")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
-    return Prefill(parse_args(argv)).main()
+    global HEAD_DIM
+    args = parse_args(argv)
+    HEAD_DIM = args.head_dim
+    return Prefill(args).main()
 
 
 if __name__ == "__main__":

@@ -11,8 +11,8 @@ copied into config.py by hand, with the figures into benchmarks/NOTES.md.
     python3 benchmarks/prefill_shapes.py --shapes "64,4,8,1,1;128,3,8,1,1" \
         [--mma-sync] [--only causal_s16384,full_s4096] [--out $OUT]
 
-Shapes are for head_dim 128 (the workloads' head_dim); the first is the baseline of the ratio
-column.
+Shapes are for head_dim 128, or the head dim `--head-dim` gives (the workloads' head dim); the
+first is the baseline of the ratio column.
 """
 
 from __future__ import annotations
@@ -99,9 +99,9 @@ class Shapes(P.Prefill):
                               f"{C.err_cell(r.get('rel_err'))}")
             out.append(cells)
         cols = [("workload", "workload")] + [(lab, lab) for lab in labels]
-        return C.format_table(out, cols, title="SHAPES prefill bf16 d128: TFLOP/s (speed vs "
-                              "the first shape) rel err; shape = tile,stages,warps,row_blocks,"
-                              "min_blocks")
+        return C.format_table(out, cols, title=f"SHAPES prefill bf16 d{P.HEAD_DIM}: TFLOP/s "
+                              "(speed vs the first shape) rel err; shape = tile,stages,warps,"
+                              "row_blocks,min_blocks")
 
 
 def main(argv=None) -> int:
@@ -114,7 +114,9 @@ def main(argv=None) -> int:
         i = argv.index("--shapes")
         shapes = argv[i + 1]
         del argv[i:i + 2]
-    return Shapes(P.parse_args(argv), parse_shapes(shapes), mma_sync).main()
+    args = P.parse_args(argv)
+    P.HEAD_DIM = args.head_dim  # the workloads', and the table entry the shapes replace
+    return Shapes(args, parse_shapes(shapes), mma_sync).main()
 
 
 if __name__ == "__main__":

@@ -26,9 +26,11 @@ instruction paths, chosen by the target arch:
   mma.sync m16n8k16 (`_PREFILL_SHAPE`, any sm_80+ target): per head_dim the most the
     registers hold without spills; O and S fragments take ROW_BLOCKS * (head_dim/2 +
     kv_tile/2) registers per lane.
-  wgmma (`_PREFILL_WGMMA_SHAPE`, sm_90a, head_dim 64, 128 and 192/128): two warpgroups of 64
-    rows; the accumulators take head_dim/2 + kv_tile/2 registers per lane and the operands come
-    from shared memory, so one CTA per SM holds a deeper ring.
+  wgmma (`_PREFILL_WGMMA_SHAPE`, sm_90a, head_dim 64, 128, 256 and 192/128): two warpgroups
+    of 64 rows; the accumulators take head_dim/2 + kv_tile/2 registers per lane and the
+    operands come from shared memory, so one CTA per SM holds a deeper ring. A V stage is read
+    one tile longer than its K (a tile's P V runs behind the next tile's S), so the K ring may
+    be one stage shorter than the V ring (`key_stages`; head_dim 256 needs it to fit).
 The arch therefore enters `template_shape` and `launch_config`; None means the mma.sync path
 (what every sm_80+ target runs).
 """
@@ -91,13 +93,17 @@ _PREFILL_SHAPE = {
 # in use while the next tile's S is computed (the warpgroup overlaps one tile's P V with the
 # next one's softmax), so of `stages` stages two are read and the rest in flight. Head dim
 # 128: tiles of 128 keys in three stages (224 KB) measured 1.00-1.10x of 64 keys in four
-# (benchmarks/NOTES.md, wgmma prefill). Head dim 256 stays on mma.sync (its Q tile and stages
-# do not fit).
+# (benchmarks/NOTES.md, wgmma prefill). Head dim 256: 2 K and 3 V stages of 64 keys (160 KB),
+# the 64 KB Q tile and the distance table are exactly the 227 KB a CTA may have.
 _PREFILL_WGMMA_SHAPE = {
     64: (64, 4, 8, 1, 1),
     128: (128, 3, 8, 1, 1),
+    256: (64, 3, 8, 1, 1),
     192: (64, 4, 8, 1, 1),  # with head_dim_vo 128: 4 x 40 KB of K/V + a 48 KB Q tile
 }
+# K stages on the wgmma path where fewer than the V stages above: the K of a tile is done one
+# tile before its V, so one stage fewer holds the same pipeline (elsewhere K has as many).
+_PREFILL_WGMMA_KEY_STAGES = {256: 2}
 _WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100)
 
 
@@ -118,13 +124,14 @@ class TemplateShape:
     vec_vo: int  # elements per lane of a value or output row
     tx: int  # lanes per row
     kv_tile: int  # keys per pipeline stage (decode), 0 for merge
-    stages: int  # pipeline depth (decode), 0 for merge
+    stages: int  # pipeline depth (decode; prefill: of V, see key_stages), 0 for merge
     chunk: int  # keys per softmax update (decode), 0 for merge
     max_threads: int  # __launch_bounds__: most threads per CTA
     min_blocks: int  # __launch_bounds__: CTAs of max_threads per SM (a register cap)
     row_blocks: int = 1  # prefill: 16-row mma blocks per warp
     wgmma: bool = False  # prefill: the wgmma path (sm_90a) instead of mma.sync
     sub_keys: int = 0  # prefill: keys per softmax step (S of a step is in registers)
+    key_stages: int = 0  # prefill: K stages (`stages` or, on the wgmma path, one fewer)
 
 
 @dataclass(frozen=True)
@@ -222,8 +229,10 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
         # mma.sync: S of 32 keys for 32 rows beside O is what the registers hold, a tile is
         # consumed in steps; wgmma: a warp's 16 rows hold S of the whole tile.
         sub_keys = kv_tile if wgmma else min(kv_tile, 32)
+        key_stages = _PREFILL_WGMMA_KEY_STAGES.get(head_dim, stages) if wgmma else stages
         return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx, kv_tile,
-                             stages, 0, 32 * warps, min_blocks, row_blocks, wgmma, sub_keys)
+                             stages, 0, 32 * warps, min_blocks, row_blocks, wgmma, sub_keys,
+                             key_stages)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
     kv_tile = max(_prev_pow2(_TILE_BYTES // ((head_dim + head_dim_vo) * size)),
@@ -275,11 +284,12 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     if kind == "merge":
         rows = shape.max_threads // shape.tx
         return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
-    stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     if kind == "prefill":
+        stages = shape.kv_tile * (shape.key_stages * head_dim + shape.stages * head_dim_vo) * size
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         return LaunchConfig((shape.max_threads, 1, 1), rows,
                             stages + rows * head_dim * size + DISTANCE_TABLE_BYTES, shape.kv_tile)
+    stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)
     tz = max(1, _MIN_THREADS // (shape.tx * rows))
     merge = rows * tz * (head_dim_vo + 2) * 4  # TZ partial states (o, m, d), aliases the pipeline

@@ -83,12 +83,17 @@ def test_launch_config_prefill_wgmma():
     # Two warpgroups of 64 rows (the same 128-row work items), three stages of 128 keys.
     assert config.launch_config("prefill", 128, 4, arch="sm_90a") == config.LaunchConfig(
         (256, 1, 1), 128, 3 * 2 * 128 * 128 * 2 + 128 * 128 * 2 + 3072, 128)
+    # Head dim 256: 64-key tiles, 2 K stages and 3 V stages (V is read one tile longer), the
+    # Q tile and the table: all of 227 KB.
+    assert config.launch_config("prefill", 256, 4, arch="sm_90a") == config.LaunchConfig(
+        (256, 1, 1), 128, 227 * 1024, 64)
     for head_dim in config.HEAD_DIMS:
         for arch in ("sm_90a", "sm_90", "sm_80", "sm_100a", None):
             wgmma = config.uses_wgmma("prefill", head_dim, arch)
-            assert wgmma == (arch == "sm_90a" and head_dim in (64, 128))
+            assert wgmma == (arch == "sm_90a")
             shape = config.template_shape("prefill", head_dim, "float16", arch)
             assert shape.wgmma == wgmma
+            assert shape.key_stages == shape.stages - (wgmma and head_dim == 256)
             cfg = config.launch_config("prefill", head_dim, 8, "float16", arch)
             # Both paths take 128-row work items; the KV tile (the planner's chunk unit)
             # comes from the launch config of the path.
