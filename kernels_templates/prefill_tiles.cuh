@@ -19,6 +19,28 @@ struct TileSpan {
   int q_lo, q_hi;  // positions of the CTA's first and last query
 };
 
+__device__ __forceinline__ TileSpan item_span(const WorkItem& w, const int group) {
+  const int q_pos0 = w.kv_len - w.qo_len;  // q_pos of query 0
+  TileSpan span;
+  span.kv_start = w.kv_start;
+  span.kv_end = w.kv_end;
+  span.num_tiles = w.kv_end > w.kv_start ? ceil_div(w.kv_end - w.kv_start, kTileKeys) : 0;
+  span.q_lo = q_pos0 + w.row_start / group;
+  span.q_hi = q_pos0 + (w.row_start + w.rows - 1) / group;
+  return span;
+}
+
+// The Index mask_tile sees for an item's tiles: no single head (the rows span up to `group`
+// heads) and no single position; a per-pair mask's block summary, once per item.
+__device__ __forceinline__ Index tile_index(const WorkItem& w, const int num_heads,
+                                            const int num_kv_heads, const float sm_scale,
+                                            const variant::Params& params) {
+  Index ix{w.batch, /*head=*/-1, w.kv_head, w.qo_len, w.kv_len, /*q_pos=*/-1, /*kv_pos=*/-1,
+           num_heads, num_kv_heads, sm_scale};
+  if constexpr (variant::kPairWindow) ix.pair_blocks = variant::pair_blocks(params, ix);
+  return ix;
+}
+
 // mask_tile for tile t over the query positions [q_lo, q_hi]; tiles reaching past kv_end are
 // never "full" (their tail keys need the pos < kv_end guard).
 __device__ __forceinline__ int classify_tile(const TileSpan& span, const int t, const int q_lo,
@@ -50,25 +72,29 @@ __device__ __forceinline__ int next_tile(TileCursor& cursor, const TileSpan& spa
 
 // ---------------------------------------------------------------------------- K/V tiles
 
-// Rows of a tile each thread copies: group group_id copies keys group_id, group_id + kGroups, ...
-constexpr int kLoadPasses = kTileKeys / kGroups;
+// Rows of a tile each thread copies, with kLoaders TX-lane row groups copying (the CTA's
+// kGroups, or the producer warpgroup's kProducerGroups): group group_id copies keys
+// group_id, group_id + kLoaders, ...
 
 // Where this thread's key rows of a tile live: the cache token (page * page_size + slot) of
 // every key row it copies of the tile starting at tile_start (positions past kv_end are
 // clamped to kv_end - 1: a valid address, its copy is zero-filled). Branch-free, so all
-// kLoadPasses page-table loads are in flight at once; the main loop calls it before the
-// barrier that precedes the copies, so their latency hides behind the wait. One register per
-// row, held across the barrier.
+// the page-table loads are in flight at once; the main loop calls it before the barrier
+// that precedes the copies, so their latency hides behind the wait. One register per row,
+// held across the barrier.
+template <int kLoaders>
 struct TileRows {
-  int token[kLoadPasses];
+  int token[kTileKeys / kLoaders];
+  __device__ __forceinline__ int operator()(const int pass) const { return token[pass]; }
 };
 
-__device__ __forceinline__ void tile_rows(TileRows& rows, const int* kv_indices,
+template <int kLoaders>
+__device__ __forceinline__ void tile_rows(TileRows<kLoaders>& rows, const int* kv_indices,
                                           const WorkItem& w, const int tile_start,
                                           const int group_id, const FastDivmod& page_div) {
 #pragma unroll
-  for (int pass = 0; pass < kLoadPasses; ++pass) {
-    const int pos = imin(tile_start + group_id + pass * kGroups, w.kv_end - 1);
+  for (int pass = 0; pass < kTileKeys / kLoaders; ++pass) {
+    const int pos = imin(tile_start + group_id + pass * kLoaders, w.kv_end - 1);
     int page_index, slot;
     page_div.divmod(pos, page_index, slot);
     rows.token[pass] = __ldg(kv_indices + static_cast<unsigned>(w.page_begin + page_index)) * static_cast<int>(page_div.divisor) + slot;
@@ -82,24 +108,26 @@ __device__ __forceinline__ void cp_async_16_shared(const unsigned dst, const voi
 }
 
 // Issue the cp.async copies of the tile starting at tile_start into one stage: group group_id
-// copies keys group_id, group_id + kGroups, ..., lane tx its chunks of each (kLaneChunks of K
-// from chunk tx * kLaneChunks, kLaneChunksVO of V likewise), from the rows tile_rows found.
+// copies keys group_id, group_id + kLoaders, ..., lane tx its chunks of each (kLaneChunks of K
+// from chunk tx * kLaneChunks, kLaneChunksVO of V likewise), from the cache token of each
+// pass's row, `rows(pass)` (TileRows, or the producer's WarpTileRows).
 // k_row / v_row: this thread's first element of the item's KV head in cache token 0
 // (k_cache + kv_head * kHeadDim + tx * VEC, v_cache likewise in kHeadDimVO); k_token_bytes /
 // v_token_bytes: bytes per cache token (all KV heads). Per row: the token (one IMAD), one 64-bit IMAD.WIDE per source, and the shared
 // destinations are the stage address plus an immediate. Positions >= kv_end are zero-filled.
+template <int kLoaders, typename Rows>
 __device__ __forceinline__ void load_tile(const unsigned k_stage, const unsigned v_stage,
                                           const T* k_row, const T* v_row,
-                                          const TileRows& rows, const int kv_end,
+                                          const Rows& rows, const int kv_end,
                                           const int tile_start, const int group_id, const int tx,
                                           const int k_token_bytes, const int v_token_bytes) {
   const char* const k_src = reinterpret_cast<const char*>(k_row);
   const char* const v_src = reinterpret_cast<const char*>(v_row);
 #pragma unroll
-  for (int pass = 0; pass < kLoadPasses; ++pass) {
-    const int key = group_id + pass * kGroups;
+  for (int pass = 0; pass < kTileKeys / kLoaders; ++pass) {
+    const int key = group_id + pass * kLoaders;
     const bool valid = tile_start + key < kv_end;
-    const long long token = rows.token[pass];
+    const long long token = rows(pass);
 #pragma unroll
     for (int c = 0; c < kLaneChunks; ++c) {
       const unsigned dst = 2u * static_cast<unsigned>(swizzle<kTileKeys>(key, tx * kLaneChunks + c));  // bytes (T is 2 bytes)
@@ -148,6 +176,95 @@ __device__ __forceinline__ void transform_tile(T* k_stage, T* v_stage, const Wor
 #pragma unroll
       for (int c = 0; c < kLaneChunksVO; ++c) {
         store8<T>(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, tx * kLaneChunksVO + c), chunk8(x, c));
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------- producer
+
+// The cache tokens of a producer warp's rows of a tile, one per lane: the warp's kWarpGroups
+// row groups copy kRowsPerWarp keys of each tile, and lane j looks up the token of the j-th
+// (pass j / kWarpGroups, group j % kWarpGroups); a pass's row then comes by shuffle, so the
+// producer holds one register of them, not one per pass (it has few: kProducerRegisters).
+struct WarpTileRows {
+  static constexpr int kWarpGroups = 32 / TX;
+  static constexpr int kPasses = kTileKeys / kProducerGroups;
+  static constexpr int kRowsPerWarp = kWarpGroups * kPasses;
+  int token;     // this lane's row's token
+  int group_in;  // this thread's row group within the warp
+  __device__ __forceinline__ int operator()(const int pass) const {
+    return __shfl_sync(0xffffffffu, token, pass * kWarpGroups + group_in);
+  }
+};
+
+__device__ __forceinline__ WarpTileRows warp_tile_rows(const int* kv_indices, const WorkItem& w,
+                                                       const int tile_start, const int warp,
+                                                       const int lane, const FastDivmod& page_div) {
+  static_assert(!kProducer || (WarpTileRows::kRowsPerWarp <= 32 && 32 % TX == 0), "a lane per row of the warp");
+  const int j = lane % WarpTileRows::kRowsPerWarp;
+  const int key = warp * WarpTileRows::kWarpGroups + j % WarpTileRows::kWarpGroups +
+                  (j / WarpTileRows::kWarpGroups) * kProducerGroups;
+  const int pos = imin(tile_start + key, w.kv_end - 1);
+  int page_index, slot;
+  page_div.divmod(pos, page_index, slot);
+  WarpTileRows rows;
+  rows.token = __ldg(kv_indices + static_cast<unsigned>(w.page_begin + page_index)) * static_cast<int>(page_div.divisor) + slot;
+  rows.group_in = lane / TX;
+  return rows;
+}
+
+// The producer warpgroup (kProducer; `ptid` its thread, 0 .. kProducerThreads - 1): walks the
+// CTA's work items and their visible tiles in the order the computing warps do and copies
+// each into the ring, the n-th tile of the CTA (over all its items) into V stage n % kStages
+// and K stage n % kKStages, once the computing warps have released the tiles those stages held
+// (`k_empty` and `v_empty`, one arrival per warp: a K is done a tile before its V, and the K
+// ring may be shorter); `full` completes when every producer thread's copies have landed. Before an item's first tile it waits for the last item's epilogue, whose fp32
+// staging aliases the ring. The page-table loads of a tile are issued before the wait.
+__device__ __forceinline__ void produce_tiles(
+    const T* k_cache, const T* v_cache, const int* kv_indices, const int* work_indptr,
+    const int* work_request, const int* work_kv_head, const int* work_row_start,
+    const int* work_kv_start, const int* work_kv_end, const int* work_partial,
+    const int* qo_indptr, const int* kv_indptr, const int* kv_last_page_len,
+    const int num_heads, const int num_kv_heads, const int page_size, const float sm_scale,
+    const variant::Params& params, const unsigned k_smem, const unsigned v_smem,
+    const unsigned full_bar, const unsigned k_empty_bar, const unsigned v_empty_bar,
+    const int ptid) {
+  const int lane = ptid & 31;
+  const int group_id = ptid / TX, tx = ptid % TX;
+  const int group = num_heads / num_kv_heads;
+  const FastDivmod page_div(page_size);
+  const int k_token_bytes = num_kv_heads * kHeadDim * static_cast<int>(sizeof(T));
+  const int v_token_bytes = num_kv_heads * kHeadDimVO * static_cast<int>(sizeof(T));
+  // The ring's next slots; laps * kStages (k_laps * kKStages) tiles have filled V (K) so far.
+  int stage = 0, k_stage = 0, laps = 0, k_laps = 0;
+  const int first_item = work_indptr[blockIdx.x];
+  for (int item = first_item; item < work_indptr[blockIdx.x + 1]; ++item) {
+    if (item > first_item) named_sync(kItemBarrier, kThreads + kProducerThreads);
+    const WorkItem w = read_work_item(item, work_request, work_kv_head, work_row_start,
+                                      work_kv_start, work_kv_end, work_partial, qo_indptr,
+                                      kv_indptr, kv_last_page_len, page_size, group);
+    const TileSpan span = item_span(w, group);
+    const Index tile_ix = tile_index(w, num_heads, num_kv_heads, sm_scale, params);
+    const T* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;
+    const T* const v_row = v_cache + w.kv_head * kHeadDimVO + tx * VEC_VO;
+    TileCursor cursor{-32, 0u, 0u};
+    for (int t = next_tile(cursor, span, lane, params, tile_ix); t >= 0;
+         t = next_tile(cursor, span, lane, params, tile_ix)) {
+      const int start = w.kv_start + (t >> 2) * kTileKeys;
+      const WarpTileRows rows = warp_tile_rows(kv_indices, w, start, ptid >> 5, lane, page_div);
+      if (k_laps > 0) mbar_wait(k_empty_bar + 8 * k_stage, (k_laps - 1) & 1);
+      if (laps > 0) mbar_wait(v_empty_bar + 8 * stage, (laps - 1) & 1);
+      load_tile<kProducerGroups>(k_smem + k_stage * (kKStageElems * 2), v_smem + stage * (kVStageElems * 2), k_row,
+                v_row, rows, w.kv_end, start, group_id, tx, k_token_bytes, v_token_bytes);
+      mbar_arrive_on_copies(full_bar + 8 * stage);
+      if (++k_stage == kKStages) {
+        k_stage = 0;
+        ++k_laps;
+      }
+      if (++stage == kStages) {
+        stage = 0;
+        ++laps;
       }
     }
   }

@@ -49,6 +49,52 @@ __device__ __forceinline__ void fence_async_shared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// ---- warp specialisation: mbarriers, named barriers, register reallocation
+
+// An mbarrier at shared address `bar` expecting `count` arrivals per phase.
+__device__ __forceinline__ void mbar_init(const unsigned bar, const unsigned count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(bar), "r"(count) : "memory");
+}
+
+// One arrival (release: this thread's earlier accesses happen before the phase completes).
+__device__ __forceinline__ void mbar_arrive(const unsigned bar) {
+  asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" :: "r"(bar) : "memory");
+}
+
+// One arrival once every cp.async this thread issued before it has landed (not counted in
+// advance: `count` includes it).
+__device__ __forceinline__ void mbar_arrive_on_copies(const unsigned bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(bar) : "memory");
+}
+
+// Wait until the phase of parity `parity` has completed (acquire).
+__device__ __forceinline__ void mbar_wait(const unsigned bar, const unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+                 "selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(bar), "r"(parity) : "memory");
+  } while (!done);
+}
+
+// Named barriers (id 0 is __syncthreads): wait for `threads` arrivals, or only arrive.
+__device__ __forceinline__ void named_sync(const unsigned id, const unsigned threads) {
+  asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void named_arrive(const unsigned id, const unsigned threads) {
+  asm volatile("bar.arrive %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
+}
+
+// Hand registers between warpgroups (every warp of the warpgroup executes it).
+template <int kRegs>
+__device__ __forceinline__ void registers_grow() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+template <int kRegs>
+__device__ __forceinline__ void registers_shrink() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(kRegs));
+}
+
 template <int N>
 __device__ __forceinline__ void pin(float (&r)[N][4]) {
 #pragma unroll

@@ -30,7 +30,9 @@ instruction paths, chosen by the target arch:
     of 64 rows; the accumulators take head_dim/2 + kv_tile/2 registers per lane and the
     operands come from shared memory, so one CTA per SM holds a deeper ring. A V stage is read
     one tile longer than its K (a tile's P V runs behind the next tile's S), so the K ring may
-    be one stage shorter than the V ring (`key_stages`; head_dim 256 needs it to fit).
+    be one stage shorter than the V ring (`key_stages`; head_dim 256 needs it to fit). At
+    head_dim 128 and 256 a producer warpgroup (`producer_threads`) does the K/V copies, so a
+    CTA is launched with `block_threads` = max_threads + 128 threads.
 The arch therefore enters `template_shape` and `launch_config`; None means the mma.sync path
 (what every sm_80+ target runs).
 """
@@ -63,6 +65,12 @@ STATIC_SMEM_LIMIT = 48 * 1024
 # 96 KB on sm_86/89), so every variant's kernel reserves it: no CTA fewer per SM on any
 # target. A larger table is not built: its tiles compute the term per score.
 DISTANCE_TABLE_BYTES = 3072
+# The wgmma path's producer warpgroup (head dims 128 and 256: at 64 the kernel without one
+# fits two CTAs per SM) and its pipeline barriers (one "full" and one "empty" mbarrier per
+# stage, 8 bytes each) at the start of that region: the table keeps the rest.
+PRODUCER_THREADS = 128
+PIPELINE_BARRIER_BYTES = 128
+_PRODUCER_HEAD_DIMS = (128, 256)
 
 _VEC_BYTES = 16  # one 16-byte vector access per lane
 _MAX_THREADS = 256  # __launch_bounds__ of the decode kernel: at most this many threads
@@ -132,6 +140,18 @@ class TemplateShape:
     wgmma: bool = False  # prefill: the wgmma path (sm_90a) instead of mma.sync
     sub_keys: int = 0  # prefill: keys per softmax step (S of a step is in registers)
     key_stages: int = 0  # prefill: K stages (`stages` or, on the wgmma path, one fewer)
+    producer_threads: int = 0  # prefill: threads of a producer warpgroup beside max_threads
+
+    @property
+    def block_threads(self) -> int:
+        """Threads a CTA is launched with: the computing threads and any producer."""
+        return self.max_threads + self.producer_threads
+
+    @property
+    def distance_table_floats(self) -> int:
+        """Floats of the prefill distance table (what the pipeline barriers leave)."""
+        barriers = PIPELINE_BARRIER_BYTES if self.producer_threads else 0
+        return (DISTANCE_TABLE_BYTES - barriers) // 4
 
 
 @dataclass(frozen=True)
@@ -232,7 +252,8 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
         key_stages = _PREFILL_WGMMA_KEY_STAGES.get(head_dim, stages) if wgmma else stages
         return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx, kv_tile,
                              stages, 0, 32 * warps, min_blocks, row_blocks, wgmma, sub_keys,
-                             key_stages)
+                             key_stages,
+                             PRODUCER_THREADS if wgmma and head_dim in _PRODUCER_HEAD_DIMS else 0)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
     kv_tile = max(_prev_pow2(_TILE_BYTES // ((head_dim + head_dim_vo) * size)),
@@ -287,7 +308,7 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     if kind == "prefill":
         stages = shape.kv_tile * (shape.key_stages * head_dim + shape.stages * head_dim_vo) * size
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
-        return LaunchConfig((shape.max_threads, 1, 1), rows,
+        return LaunchConfig((shape.block_threads, 1, 1), rows,
                             stages + rows * head_dim * size + DISTANCE_TABLE_BYTES, shape.kv_tile)
     stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)

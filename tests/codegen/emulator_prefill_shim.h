@@ -2,7 +2,7 @@
 // emulator_prefill.py): every lane of the warp deposits its operands in a per-warp exchange
 // area, the warp meets at a barrier, each lane computes its own results from the PTX ISA's
 // fragment tables, and the warp meets again before the area is reused.
-//   __any_sync   full-warp masks only (__shfl_sync, __ballot_sync: emulator_shim.h)
+//   __any_sync, __syncwarp   full-warp masks only (__shfl_sync, __ballot_sync: emulator_shim.h)
 //   ldmatrix .x4 (.trans)   lanes 8i .. 8i+7 address the rows of matrix i; lane l receives
 //                     (row l/4, cols 2(l%4) + {0,1}) of each, or the transpose
 //   mma m16n8k16      bf16 / f16 inputs, fp32 accumulation (exact products, float sums)
@@ -17,6 +17,8 @@ inline void emu_warp_sync() {
   tl_block->shfl_barrier(warp, 0xffffffffu).wait();
 }
 inline int __any_sync(unsigned mask, bool pred) { return __ballot_sync(mask, pred) != 0; }
+// (The producer's release_stage: compiled, never run on the emulated mma.sync path.)
+inline void __syncwarp(unsigned = 0xffffffffu) { emu_warp_sync(); }
 inline uint16_t emu_ld16(unsigned off) { uint16_t x; memcpy(&x, emu_smem() + off, 2); return x; }
 inline void emu_ldmatrix(unsigned (&r)[4], unsigned addr, bool trans) {
   const int tid = emu_linear_tid(), lane = tid % 32, warp = tid / 32;
