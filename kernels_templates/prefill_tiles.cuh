@@ -19,6 +19,7 @@ struct TileSpan {
   int q_lo, q_hi;  // positions of the CTA's first and last query
 };
 
+// The item's KV range and the positions of its first and last query (for mask_tile).
 __device__ __forceinline__ TileSpan item_span(const WorkItem& w, const int group) {
   const int q_pos0 = w.kv_len - w.qo_len;  // q_pos of query 0
   TileSpan span;
@@ -72,10 +73,9 @@ __device__ __forceinline__ int next_tile(TileCursor& cursor, const TileSpan& spa
 
 // ---------------------------------------------------------------------------- K/V tiles
 
-// Rows of a tile each thread copies, with kLoaders TX-lane row groups copying (the CTA's
-// kGroups, or the producer warpgroup's kProducerGroups): group group_id copies keys
-// group_id, group_id + kLoaders, ...
-
+// With kLoaders TX-lane row groups copying a tile (the CTA's kGroups, or the producer
+// warpgroup's kProducerGroups), group group_id copies keys group_id, group_id + kLoaders, ...
+//
 // Where this thread's key rows of a tile live: the cache token (page * page_size + slot) of
 // every key row it copies of the tile starting at tile_start (positions past kv_end are
 // clamped to kv_end - 1: a valid address, its copy is zero-filled). Branch-free, so all
@@ -201,7 +201,8 @@ struct WarpTileRows {
 __device__ __forceinline__ WarpTileRows warp_tile_rows(const int* kv_indices, const WorkItem& w,
                                                        const int tile_start, const int warp,
                                                        const int lane, const FastDivmod& page_div) {
-  static_assert(!kProducer || (WarpTileRows::kRowsPerWarp <= 32 && 32 % TX == 0), "a lane per row of the warp");
+  static_assert(!kProducer || (WarpTileRows::kRowsPerWarp <= 32 && 32 % TX == 0),
+                "a lane per row of the warp");
   const int j = lane % WarpTileRows::kRowsPerWarp;
   const int key = warp * WarpTileRows::kWarpGroups + j % WarpTileRows::kWarpGroups +
                   (j / WarpTileRows::kWarpGroups) * kProducerGroups;
@@ -219,8 +220,9 @@ __device__ __forceinline__ WarpTileRows warp_tile_rows(const int* kv_indices, co
 // each into the ring, the n-th tile of the CTA (over all its items) into V stage n % kStages
 // and K stage n % kKStages, once the computing warps have released the tiles those stages held
 // (`k_empty` and `v_empty`, one arrival per warp: a K is done a tile before its V, and the K
-// ring may be shorter); `full` completes when every producer thread's copies have landed. Before an item's first tile it waits for the last item's epilogue, whose fp32
-// staging aliases the ring. The page-table loads of a tile are issued before the wait.
+// ring may be shorter); `full` completes when every producer thread's copies have landed.
+// Before an item's first tile it waits for the last item's epilogue, whose fp32 staging
+// aliases the ring. The page-table loads of a tile are issued before the waits.
 __device__ __forceinline__ void produce_tiles(
     const T* k_cache, const T* v_cache, const int* kv_indices, const int* work_indptr,
     const int* work_request, const int* work_kv_head, const int* work_row_start,
@@ -255,8 +257,9 @@ __device__ __forceinline__ void produce_tiles(
       const WarpTileRows rows = warp_tile_rows(kv_indices, w, start, ptid >> 5, lane, page_div);
       if (k_laps > 0) mbar_wait(k_empty_bar + 8 * k_stage, (k_laps - 1) & 1);
       if (laps > 0) mbar_wait(v_empty_bar + 8 * stage, (laps - 1) & 1);
-      load_tile<kProducerGroups>(k_smem + k_stage * (kKStageElems * 2), v_smem + stage * (kVStageElems * 2), k_row,
-                v_row, rows, w.kv_end, start, group_id, tx, k_token_bytes, v_token_bytes);
+      load_tile<kProducerGroups>(k_smem + k_stage * (kKStageElems * 2),
+                                 v_smem + stage * (kVStageElems * 2), k_row, v_row, rows,
+                                 w.kv_end, start, group_id, tx, k_token_bytes, v_token_bytes);
       mbar_arrive_on_copies(full_bar + 8 * stage);
       if (++k_stage == kKStages) {
         k_stage = 0;
