@@ -18,10 +18,11 @@ decode (kernels_templates/decode.cu.j2), block (TX, R, TZ):
 merge (kernels_templates/merge.cu.j2), block (TX, ROWS, 1): one TX-lane group per merge row,
 grid-stride over rows; no shared memory.
 
-prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS, 1, 1): tensor cores, each warp
-owns 16 * ROW_BLOCKS fused rows, so a work item covers R = 16 * ROW_BLOCKS * WARPS rows (128).
-KV tiles of `kv_tile` keys stream through a `stages`-deep cp.async ring; shared memory = K and
-V stages, the [R][head_dim] Q tile and a distance table (DISTANCE_TABLE_BYTES). Two
+prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS [+ PRODUCER_THREADS], 1, 1):
+tensor cores, each warp owns 16 * ROW_BLOCKS fused rows, so a work item covers
+R = 16 * ROW_BLOCKS * WARPS rows (128). KV tiles of `kv_tile` keys stream through a
+`stages`-deep cp.async ring; shared memory = K and V stages, the [R][head_dim] Q tile and a
+distance table (DISTANCE_TABLE_BYTES, less the producer's PIPELINE_BARRIER_BYTES). Two
 instruction paths, chosen by the target arch:
   mma.sync m16n8k16 (`_PREFILL_SHAPE`, any sm_80+ target): per head_dim the most the
     registers hold without spills; O and S fragments take ROW_BLOCKS * (head_dim/2 +
