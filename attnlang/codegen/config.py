@@ -289,7 +289,7 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     >>> launch_config("prefill", 128, 4)
     LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=101376, kv_tile=64)
     >>> launch_config("prefill", 128, 4, arch="sm_90a")
-    LaunchConfig(block=(256, 1, 1), rows_per_tile=128, smem_bytes=232448, kv_tile=128)
+    LaunchConfig(block=(384, 1, 1), rows_per_tile=128, smem_bytes=232448, kv_tile=128)
     >>> launch_config("decode", 192, 1, head_dim_vo=128)
     LaunchConfig(block=(8, 1, 16), rows_per_tile=1, smem_bytes=122880, kv_tile=64)
 
