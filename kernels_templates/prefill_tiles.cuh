@@ -82,6 +82,14 @@ __device__ __forceinline__ int next_tile(TileCursor& cursor, const TileSpan& spa
 // the page-table loads are in flight at once; the main loop calls it before the barrier
 // that precedes the copies, so their latency hides behind the wait. One register per row,
 // held across the barrier.
+// The cache token (page * page_size + slot) of the item's KV position pos.
+__device__ __forceinline__ int cache_token(const int* kv_indices, const WorkItem& w, const int pos,
+                                           const FastDivmod& page_div) {
+  int page_index, slot;
+  page_div.divmod(pos, page_index, slot);
+  return __ldg(kv_indices + static_cast<unsigned>(w.page_begin + page_index)) * static_cast<int>(page_div.divisor) + slot;
+}
+
 template <int kLoaders>
 struct TileRows {
   int token[kTileKeys / kLoaders];
@@ -95,9 +103,7 @@ __device__ __forceinline__ void tile_rows(TileRows<kLoaders>& rows, const int* k
 #pragma unroll
   for (int pass = 0; pass < kTileKeys / kLoaders; ++pass) {
     const int pos = imin(tile_start + group_id + pass * kLoaders, w.kv_end - 1);
-    int page_index, slot;
-    page_div.divmod(pos, page_index, slot);
-    rows.token[pass] = __ldg(kv_indices + static_cast<unsigned>(w.page_begin + page_index)) * static_cast<int>(page_div.divisor) + slot;
+    rows.token[pass] = cache_token(kv_indices, w, pos, page_div);
   }
 }
 
@@ -206,11 +212,8 @@ __device__ __forceinline__ WarpTileRows warp_tile_rows(const int* kv_indices, co
   const int j = lane % WarpTileRows::kRowsPerWarp;
   const int key = warp * WarpTileRows::kWarpGroups + j % WarpTileRows::kWarpGroups +
                   (j / WarpTileRows::kWarpGroups) * kProducerGroups;
-  const int pos = imin(tile_start + key, w.kv_end - 1);
-  int page_index, slot;
-  page_div.divmod(pos, page_index, slot);
   WarpTileRows rows;
-  rows.token = __ldg(kv_indices + static_cast<unsigned>(w.page_begin + page_index)) * static_cast<int>(page_div.divisor) + slot;
+  rows.token = cache_token(kv_indices, w, imin(tile_start + key, w.kv_end - 1), page_div);
   rows.group_in = lane / TX;
   return rows;
 }
