@@ -16,6 +16,8 @@ from attnlang.errors import AttnError
 DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16"}
 # "192/128": queries and keys of 192, values of 128 (MLA; config.HEAD_DIM_PAIRS).
 HEAD_DIMS = ("64", "128", "256", "192/128")
+# --kv-dtype: a cache type other than the dtype (float8 e4m3)
+KV_DTYPES = ("fp8", "float8_e4m3fn")
 
 
 def _head_dims(text: str) -> tuple[int, int]:
@@ -74,7 +76,10 @@ def check(file):
 @click.option("--arch", default=None,
               help="Target, e.g. sm_90a (its prefill kernel takes the wgmma path); default: the "
                    "path every sm_80+ target runs.")
-def show(file, kind, dtype, head_dim, arch):
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
+              help="The KV cache's element type [default: the dtype]; fp8: float8 e4m3, "
+                   "dequantised with the run-time params k_scale and v_scale.")
+def show(file, kind, dtype, head_dim, arch, kv_dtype):
     """Print the generated CUDA source of one kernel of FILE."""
     from attnlang.pipeline import generate_source
 
@@ -90,7 +95,7 @@ def show(file, kind, dtype, head_dim, arch):
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--arch") from None
     qk, vo = _head_dims(head_dim)
-    click.echo(generate_source(v, kind, DTYPES[dtype], qk, arch, vo))
+    click.echo(generate_source(v, kind, DTYPES[dtype], qk, arch, vo, _kv_dtype(kv_dtype, dtype)))
 
 
 @main.command()
@@ -102,10 +107,13 @@ def show(file, kind, dtype, head_dim, arch):
               help="Input dtype(s) [default: bf16].")
 @click.option("--arch", default=None,
               help="Target, e.g. sm_90a or sm_80 [default: the GPU's, else $ATTNLANG_ARCH].")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
+              help="The KV cache's element type [default: the dtype]; fp8: float8 e4m3, "
+                   "dequantised with the run-time params k_scale and v_scale.")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Also write a self-contained compiled module (cubins + manifest.json) here; "
                    "one subdirectory per dtype/head-dim when several are asked for.")
-def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command's name
+def compile(file, head_dims, dtypes, arch, kv_dtype, out_dir):  # noqa: A001 - the command's name
     """Compile every kernel of FILE with NVRTC (no GPU needed); print a table per kernel."""
     from attnlang.codegen.config import launch_config
     from attnlang.runtime.compiler import CompileError
@@ -119,7 +127,7 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
         head_dim, head_dim_vo = _head_dims(dims)
         try:
             km = compile_variant(v, head_dim=head_dim, dtype=dtype, arch=arch,
-                                 head_dim_vo=head_dim_vo)
+                                 head_dim_vo=head_dim_vo, kv_dtype=_kv_dtype(kv_dtype, dtype))
         except (CompileError, ValueError, RuntimeError) as e:
             click.echo(f"attnlang: error: {e}", err=True)
             sys.exit(1)
@@ -127,7 +135,8 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
             # ptxas reports static shared memory only; the kernels size theirs at launch.
             dynamic = launch_config(kind, head_dim, 1, dtype, cubin.arch, head_dim_vo).smem_bytes
             for fn in cubin.functions:
-                rows.append((kind, dtype, dims, cubin.arch, str(fn.registers),
+                shown = dtype if km.kv_dtype == dtype else f"{dtype}, fp8 KV"
+                rows.append((kind, shown, dims, cubin.arch, str(fn.registers),
                              f"{(fn.shared_bytes + dynamic) // 1024} KiB",
                              f"{fn.spill_stores}/{fn.spill_loads}",
                              # a cache hit compiled nothing now: no time to show
@@ -144,6 +153,11 @@ def compile(file, head_dims, dtypes, arch, out_dir):  # noqa: A001 - the command
               "cache", "cubin")
     click.echo(f"variant {v.name} ({file})")
     click.echo(_table(header, rows))
+
+
+def _kv_dtype(choice: str | None, dtype: str) -> str | None:
+    """--kv-dtype's choice as compile_variant's kv_dtype (None: the dtype's own)."""
+    return None if choice is None else "float8_e4m3fn"
 
 
 def _table(header, rows) -> str:

@@ -16,6 +16,7 @@ Example: ``logits = cap * tanh(logits / cap)`` with ``param cap: float = 50.0`` 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -26,7 +27,7 @@ __all__ = [
     "Unary", "Binary", "Call", "Reduce", "Rope", "LoopVar", "Loop", "ParamSpec", "Variant",
     "STAGES", "VECTOR_STAGES", "INDEX_VARS", "STAGE_VARS", "EXTENT_INDEX", "PAIR_EXTENTS",
     "SCALAR_FUNCS", "REDUCTIONS", "LOOP_REDUCTIONS", "MAX_LOOP_COUNT", "MAX_TENSOR_ELEMENTS",
-    "walk", "varies_with_dim", "extent_sizes",
+    "walk", "varies_with_dim", "extent_sizes", "KV_SCALE_PARAMS", "with_kv_scales",
 ]
 
 
@@ -395,3 +396,29 @@ def extent_sizes(v: Variant, num_heads: int, num_kv_heads: int, batch: int, head
                 f"long: its dim axis cannot be both; declare one table per head dim")
         sizes[p.name] = {**common, "dim": dim}
     return sizes
+
+
+# The run-time params an fp8 KV cache's kernels take besides the variant's own: the scales
+# that dequantise K and V (value = e4m3 value * scale of its KV head).
+KV_SCALE_PARAMS = ("k_scale", "v_scale")
+
+
+def with_kv_scales(v: Variant) -> Variant:
+    """v as the kernels of an fp8 KV cache see it: its params followed by k_scale and v_scale,
+    float[kv_heads] (a per-tensor scale is one value repeated). Idempotent; raises ValueError
+    when v declares either name otherwise (the names are the cache's).
+
+    >>> with_kv_scales(Variant("plain")).params[1].declared
+    'float[kv_heads]'
+    """
+    wanted = tuple(ParamSpec(name, FLOAT, ("kv_heads",)) for name in KV_SCALE_PARAMS)
+    have = {p.name: p for p in v.params}
+    if all(have.get(p.name) == p for p in wanted):
+        return v
+    clash = [name for name in KV_SCALE_PARAMS if name in have]
+    if clash:
+        raise ValueError(
+            f"variant {v.name!r} declares param {clash[0]!r}, a name an fp8 KV cache gives its "
+            f"dequantisation scales ({', '.join(KV_SCALE_PARAMS)}: float[kv_heads]); rename "
+            "the variant's param")
+    return dataclasses.replace(v, params=v.params + wanted)

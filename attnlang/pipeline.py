@@ -59,11 +59,16 @@ def decode_source(data: bytes, filename: str) -> str:
 
 
 def generate_source(variant: ir.Variant, kind: str, dtype: str, head_dim: int,
-                    arch: str | None = None, head_dim_vo: int | None = None) -> str:
+                    arch: str | None = None, head_dim_vo: int | None = None,
+                    kv_dtype: str | None = None) -> str:
     """lower + render: the full CUDA source of one kernel kind for this variant (arch: the
     compile target, which picks the prefill path; head_dim_vo: the values' head dim, None for
-    head_dim; see `attnlang.codegen.render.render`)."""
+    head_dim; kv_dtype: the cache's element type, None for dtype, "float8_e4m3fn" adds the
+    scale params (`ir.with_kv_scales`); see `attnlang.codegen.render.render`)."""
+    from attnlang.codegen.config import KV_FP8
     from attnlang.codegen.lower import lower
     from attnlang.codegen.render import render
 
-    return render(lower(variant), kind, dtype, head_dim, arch, head_dim_vo)
+    if kv_dtype == KV_FP8:
+        variant = ir.with_kv_scales(variant)
+    return render(lower(variant), kind, dtype, head_dim, arch, head_dim_vo, kv_dtype)

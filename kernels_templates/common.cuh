@@ -21,7 +21,8 @@
 //   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
 //   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
-//   cp_async_16, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
+//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
+//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
 //   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
 //   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
@@ -647,6 +648,15 @@ __device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src
                :: "r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
 }
 
+// Copy 8 bytes global -> shared (.ca: .cg takes only 16), as cp_async_16: an fp8 cache's
+// 8 elements, put at the start of the 16-byte chunk their T values will fill (dequantize8).
+__device__ __forceinline__ void cp_async_8(void* smem_dst, const void* gmem_src, const bool valid) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem_dst));
+  const int src_bytes = valid ? 8 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+               :: "r"(dst), "l"(gmem_src), "r"(src_bytes) : "memory");
+}
+
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 
 // Wait until at most N of this thread's committed groups are still in flight.
@@ -654,6 +664,43 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }
 
 __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// ---------------------------------------------------------------------------- fp8 caches
+
+// Four float8 e4m3 values (OCP e4m3fn: bias 7, no infinities, S.1111.111 is NaN), byte i of
+// w -> x[i], exactly. sm_89+ converts pairs in hardware; elsewhere from the bits.
+__device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  unsigned lo, hi;  // f16x2 of bytes 0, 1 and of bytes 2, 3 (the lower byte in the low half)
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, b;\n}\n" : "=r"(lo), "=r"(hi) : "r"(w));
+  const float2 f0 = Vec<half>::to_float2(lo), f1 = Vec<half>::to_float2(hi);
+  x[0] = f0.x; x[1] = f0.y; x[2] = f1.x; x[3] = f1.y;
+#else
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const unsigned b = (w >> (8 * i)) & 0xffu, e = (b >> 3) & 15u, m = b & 7u;
+    // Normal: 2^(e - 7) (1 + m / 8) as float bits; subnormal: m 2^-9.
+    float v = e ? __uint_as_float(((e + 120u) << 23) | (m << 20)) : static_cast<float>(m) * 0.001953125f;
+    if (e == 15u && m == 7u) v = __uint_as_float(0x7fc00000u);
+    x[i] = (b & 0x80u) ? -v : v;
+  }
+#endif
+}
+
+// The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
+// values of T, times `scale`, in place. The thread that copied them converts them, so no
+// other thread's data is read or overwritten.
+template <typename T>
+__device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
+  const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
+  float x[8];
+  fp8x4_to_float(raw.x, x);
+  fp8x4_to_float(raw.y, x + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= scale;
+  store8<T>(chunk, x);
+}
 
 // ---------------------------------------------------------------------------- fast divmod
 

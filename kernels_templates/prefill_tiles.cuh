@@ -113,6 +113,12 @@ __device__ __forceinline__ void cp_async_16_shared(const unsigned dst, const voi
                :: "r"(dst), "l"(src), "r"(valid ? 16 : 0) : "memory");
 }
 
+// 8 bytes likewise (cp_async_8): an fp8 cache's chunk.
+__device__ __forceinline__ void cp_async_8_shared(const unsigned dst, const void* src, const bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n"
+               :: "r"(dst), "l"(src), "r"(valid ? 8 : 0) : "memory");
+}
+
 // Issue the cp.async copies of the tile starting at tile_start into one stage: group group_id
 // copies keys group_id, group_id + kLoaders, ..., lane tx its chunks of each (kLaneChunks of K
 // from chunk tx * kLaneChunks, kLaneChunksVO of V likewise), from the cache token of each
@@ -121,9 +127,10 @@ __device__ __forceinline__ void cp_async_16_shared(const unsigned dst, const voi
 // (k_cache + kv_head * kHeadDim + tx * VEC, v_cache likewise in kHeadDimVO); k_token_bytes /
 // v_token_bytes: bytes per cache token (all KV heads). Per row: the token (one IMAD), one 64-bit IMAD.WIDE per source, and the shared
 // destinations are the stage address plus an immediate. Positions >= kv_end are zero-filled.
+// An fp8 cache's chunk (8 elements, 8 bytes) goes to the start of its 16-byte stage chunk.
 template <int kLoaders, typename Rows>
 __device__ __forceinline__ void load_tile(const unsigned k_stage, const unsigned v_stage,
-                                          const T* k_row, const T* v_row,
+                                          const KvT* k_row, const KvT* v_row,
                                           const Rows& rows, const int kv_end,
                                           const int tile_start, const int group_id, const int tx,
                                           const int k_token_bytes, const int v_token_bytes) {
@@ -137,12 +144,38 @@ __device__ __forceinline__ void load_tile(const unsigned k_stage, const unsigned
 #pragma unroll
     for (int c = 0; c < kLaneChunks; ++c) {
       const unsigned dst = 2u * static_cast<unsigned>(swizzle<kTileKeys>(key, tx * kLaneChunks + c));  // bytes (T is 2 bytes)
-      cp_async_16_shared(k_stage + dst, k_src + token * k_token_bytes + 16 * c, valid);
+      const char* const src = k_src + token * k_token_bytes + 8 * sizeof(KvT) * c;
+      if constexpr (kKvFp8) cp_async_8_shared(k_stage + dst, src, valid);
+      else cp_async_16_shared(k_stage + dst, src, valid);
     }
 #pragma unroll
     for (int c = 0; c < kLaneChunksVO; ++c) {
       const unsigned dst = 2u * static_cast<unsigned>(swizzle<kTileKeys, kHeadDimVO>(key, tx * kLaneChunksVO + c));
-      cp_async_16_shared(v_stage + dst, v_src + token * v_token_bytes + 16 * c, valid);
+      const char* const src = v_src + token * v_token_bytes + 8 * sizeof(KvT) * c;
+      if constexpr (kKvFp8) cp_async_8_shared(v_stage + dst, src, valid);
+      else cp_async_16_shared(v_stage + dst, src, valid);
+    }
+  }
+}
+
+// (kKvFp8) The chunks of load_tile's mapping for kLoaders row groups (those this thread
+// copied, or with a producer a share of the tile: a chunk's bytes sit in the chunk itself, so
+// any thread may convert it), from e4m3 to T times the KV head's scales, in place, once the
+// copies have landed; every row, so rows past kv_end become zeros as a T cache's zero-fill
+// leaves them.
+template <int kLoaders>
+__device__ __forceinline__ void dequantize_tile(T* k_stage, T* v_stage, const int group_id,
+                                                const int tx, const float2 scale) {
+#pragma unroll
+  for (int pass = 0; pass < kTileKeys / kLoaders; ++pass) {
+    const int key = group_id + pass * kLoaders;
+#pragma unroll
+    for (int c = 0; c < kLaneChunks; ++c) {
+      dequantize8(k_stage + swizzle<kTileKeys>(key, tx * kLaneChunks + c), scale.x);
+    }
+#pragma unroll
+    for (int c = 0; c < kLaneChunksVO; ++c) {
+      dequantize8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, tx * kLaneChunksVO + c), scale.y);
     }
   }
 }
@@ -189,6 +222,8 @@ __device__ __forceinline__ void transform_tile(T* k_stage, T* v_stage, const Wor
 
 // ---------------------------------------------------------------------------- producer
 
+
+
 // The cache tokens of a producer warp's rows of a tile, one per lane: the warp's kWarpGroups
 // row groups copy kRowsPerWarp keys of each tile, and lane j looks up the token of the j-th
 // (pass j / kWarpGroups, group j % kWarpGroups); a pass's row then comes by shuffle, so the
@@ -226,8 +261,11 @@ __device__ __forceinline__ WarpTileRows warp_tile_rows(const int* kv_indices, co
 // ring may be shorter); `full` completes when every producer thread's copies have landed.
 // Before an item's first tile it waits for the last item's epilogue, whose fp32 staging
 // aliases the ring. The page-table loads of a tile are issued before the waits.
+// An fp8 cache's tiles land as bytes, which the computing warps dequantise: the producer never
+// waits on its copies, so a ring's worth of tiles stays in flight (it converting them itself
+// ran prefill at 0.47x of bf16 against 0.71x: benchmarks/NOTES.md).
 __device__ __forceinline__ void produce_tiles(
-    const T* k_cache, const T* v_cache, const int* kv_indices, const int* work_indptr,
+    const KvT* k_cache, const KvT* v_cache, const int* kv_indices, const int* work_indptr,
     const int* work_request, const int* work_kv_head, const int* work_row_start,
     const int* work_kv_start, const int* work_kv_end, const int* work_partial,
     const int* qo_indptr, const int* kv_indptr, const int* kv_last_page_len,
@@ -239,8 +277,8 @@ __device__ __forceinline__ void produce_tiles(
   const int group_id = ptid / TX, tx = ptid % TX;
   const int group = num_heads / num_kv_heads;
   const FastDivmod page_div(page_size);
-  const int k_token_bytes = num_kv_heads * kHeadDim * static_cast<int>(sizeof(T));
-  const int v_token_bytes = num_kv_heads * kHeadDimVO * static_cast<int>(sizeof(T));
+  const int k_token_bytes = num_kv_heads * kHeadDim * static_cast<int>(sizeof(KvT));
+  const int v_token_bytes = num_kv_heads * kHeadDimVO * static_cast<int>(sizeof(KvT));
   // The ring's next slots; laps * kStages (k_laps * kKStages) tiles have filled V (K) so far.
   int stage = 0, k_stage = 0, laps = 0, k_laps = 0;
   const int first_item = work_indptr[blockIdx.x];
@@ -251,8 +289,8 @@ __device__ __forceinline__ void produce_tiles(
                                       kv_indptr, kv_last_page_len, page_size, group);
     const TileSpan span = item_span(w, group);
     const Index tile_ix = tile_index(w, num_heads, num_kv_heads, sm_scale, params);
-    const T* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;
-    const T* const v_row = v_cache + w.kv_head * kHeadDimVO + tx * VEC_VO;
+    const KvT* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;
+    const KvT* const v_row = v_cache + w.kv_head * kHeadDimVO + tx * VEC_VO;
     TileCursor cursor{-32, 0u, 0u};
     for (int t = next_tile(cursor, span, lane, params, tile_ix); t >= 0;
          t = next_tile(cursor, span, lane, params, tile_ix)) {

@@ -51,6 +51,26 @@ def test_show_prints_the_kernel(cli):
     assert cli("show", SOFTCAP, "--kernel", "nope").exit_code == 2
 
 
+def test_show_an_fp8_cache_kernel(cli):
+    r = cli("show", SOFTCAP, "--kernel", "prefill", "--kv-dtype", "fp8", "--arch", "sm_90a")
+    assert r.exit_code == 0, r.output
+    assert "const unsigned char* __restrict__ k_cache" in r.output
+    assert "const float* param_k_scale" in r.output and "const float* param_v_scale" in r.output
+    assert cli("show", SOFTCAP, "--kv-dtype", "int4").exit_code == 2
+
+
+def test_compile_an_fp8_cache_module(cli, tmp_path):
+    pytest.importorskip("cupy")
+    r = _run_cli("compile", SOFTCAP, "--arch", "sm_90a", "--kv-dtype", "fp8", "-o",
+                 str(tmp_path / "m"), cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith(("decode", "prefill", "merge"))]
+    assert len(lines) == 3 and all("bfloat16, fp8 KV" in ln for ln in lines)
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert manifest["kv_dtype"] == "float8_e4m3fn"
+    assert [p["name"] for p in manifest["variant"]["params"]] == ["cap", "k_scale", "v_scale"]
+
+
 def _run_cli(*args, cache):
     """The CLI in a fresh process, as a user runs it (each run has its own memory cache)."""
     env = dict(os.environ, ATTNLANG_CACHE_DIR=str(cache), ATTNLANG_QUIET="1")

@@ -51,6 +51,9 @@ __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "HEAD_DIM_PAIRS", "TemplateShape", "L
 KINDS = ("decode", "prefill", "merge")
 # dtype name -> (C type, bytes)
 DTYPES = {"float16": ("half", 2), "bfloat16": ("__nv_bfloat16", 2)}
+# A KV cache of float8 e4m3 (OCP e4m3fn) beside q and out of a DTYPES type: the kernels copy
+# its bytes and dequantise them in shared memory, times run-time scales (ir.KV_SCALE_PARAMS).
+KV_FP8 = "float8_e4m3fn"
 HEAD_DIMS = (64, 128, 256)
 # (query/key head dim, value/output head dim) pairs: every HEAD_DIMS value with itself, and
 # MLA's shape without weight absorption (DeepSeek-V2/V3 prefill: 128 + 64 rope dims of q and

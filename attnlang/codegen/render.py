@@ -21,7 +21,9 @@ import jinja2
 
 from attnlang import paths
 from attnlang.codegen import config
+from attnlang.codegen.c_expr import member_name
 from attnlang.codegen.lower import LINE_RESET, Hooks
+from attnlang.ir import KV_SCALE_PARAMS
 
 __all__ = ["render", "context", "environment", "generated_name"]
 
@@ -140,21 +142,53 @@ def _wgmma_source(shape: config.TemplateShape) -> str:
     ))
 
 
+def _kv_source(hooks: Hooks, kv_dtype: str | None, dtype: str) -> tuple[str, str]:
+    """(the cache's C element type, ``kv_scales``: the dequantisation scales of a KV head as
+    (k, v)) for a cache of kv_dtype (None: dtype, unscaled)."""
+    if kv_dtype is None or kv_dtype == dtype:
+        ctype = config.dtype_ctype(dtype)
+        body = "return make_float2(1.0f, 1.0f);  // unused: not an fp8 cache"
+    elif kv_dtype == config.KV_FP8:
+        names = {p.name for p in hooks.kernel_params}
+        missing = [n for n in KV_SCALE_PARAMS if f"param_{n}" not in names]
+        if missing:
+            raise ValueError(f"an fp8 cache's kernels need the params {', '.join(KV_SCALE_PARAMS)} "
+                             "(lower ir.with_kv_scales(variant))")
+        k, v = (member_name(n) for n in KV_SCALE_PARAMS)
+        ctype = "unsigned char"
+        body = f"return make_float2(__ldg(p.{k} + kv_head), __ldg(p.{v} + kv_head));"
+    else:
+        raise ValueError(f"unsupported kv_dtype {kv_dtype!r}: expected {dtype} or {config.KV_FP8}")
+    source = ("namespace attnlang {\n"
+              "// The KV cache's dequantisation scales of KV head kv_head: (k, v).\n"
+              "__device__ __forceinline__ float2 kv_scales(const variant::Params& p, "
+              "const int kv_head) {\n"
+              f"  {body}\n"
+              "}\n"
+              "}  // namespace attnlang\n")
+    return ctype, source
+
+
 def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
-            arch: str | None = None, head_dim_vo: int | None = None) -> dict[str, object]:
+            arch: str | None = None, head_dim_vo: int | None = None,
+            kv_dtype: str | None = None) -> dict[str, object]:
     """Every value a template splices, by name. Raises ValueError for a bad kind, dtype or
     head dims (`config.template_shape` validates them; head_dim_vo None: head_dim).
 
     ``hooks_source`` carries what the hooks need besides common.cuh: the interval helpers of
     ``variant::mask_tile`` (mask_tiles.cuh), spliced verbatim ahead of the hooks. arch picks
     the prefill path (`config.uses_wgmma`); ``wgmma`` is its C++ literal, ``wgmma_source``
-    the Hopper helpers (prefill only).
+    the Hopper helpers (prefill only). kv_dtype: the cache's element type (None: dtype);
+    ``kv_ctype`` is its C type and ``kv_source`` its ``kv_scales``.
     """
     shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo)
+    kv_ctype, kv_source = _kv_source(hooks, kv_dtype, dtype)
     return {
         "variant_name": hooks.variant,
         "dtype": dtype,
         "ctype": shape.ctype,
+        "kv_ctype": kv_ctype,
+        "kv_source": kv_source,
         "head_dim": shape.head_dim,
         "head_dim_vo": shape.head_dim_vo,
         "vec": shape.vec,
@@ -189,7 +223,7 @@ def _resolve_line_resets(text: str, name: str) -> str:
 
 
 def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None = None,
-           head_dim_vo: int | None = None) -> str:
+           head_dim_vo: int | None = None, kv_dtype: str | None = None) -> str:
     """The complete CUDA source of kernel `kind` ("decode", "prefill" or "merge") for these
     hooks.
 
@@ -198,13 +232,15 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None 
     picks the prefill path (None: mma.sync, which every sm_80+ target runs; "sm_90a": wgmma
     at head_dim 64, 128 and 192/128). The source's ``extern "C"``
     entry is named after the kind; its arguments are INTERNALS.md's followed by
-    ``hooks.kernel_params``. Raises ValueError for an unsupported kind, dtype or head_dim.
+    ``hooks.kernel_params``. kv_dtype: the K/V cache's element type, None for dtype, or
+    "float8_e4m3fn" (the hooks then need the scale params: `ir.with_kv_scales`). Raises
+    ValueError for an unsupported kind, dtype, kv_dtype or head_dim.
 
     Example::
 
         src = render(lower(attnlang.load("examples/softcap.attn")), "decode", "bfloat16", 128)
         'extern "C" __global__' in src   # True
     """
-    ctx = context(hooks, kind, dtype, head_dim, arch, head_dim_vo)
+    ctx = context(hooks, kind, dtype, head_dim, arch, head_dim_vo, kv_dtype)
     text = environment().get_template(f"{kind}.cu.j2").render(**ctx)
     return _resolve_line_resets(text, generated_name(hooks, kind))

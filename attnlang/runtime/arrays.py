@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "ATTENTION_DTYPES", "TensorInfo", "normalize_dtype", "describe", "is_torch_tensor",
+    "ATTENTION_DTYPES", "TensorInfo", "normalize_dtype", "normalize_kv_dtype", "describe",
+    "is_torch_tensor",
     "is_device_array", "host_int_array", "current_stream", "empty_output",
     "to_device_param", "float_to_bfloat16_bits", "bfloat16_bits_to_float", "round_to_dtype",
     "cupy_bfloat16", "read_array", "signature", "data_ptr", "current_stream_ptr",
@@ -54,6 +55,27 @@ def normalize_dtype(dtype: Any, name: str = "dtype") -> str:
             f"torch dtype), got {dtype!r}"
         )
     return canonical
+
+
+_KV_FP8_ALIASES = ("float8_e4m3fn", "fp8", "e4m3", "fp8_e4m3", "float8_e4m3")
+
+
+def normalize_kv_dtype(kv_dtype: Any, dtype: str) -> str:
+    """The KV cache's element type: `dtype` (q's, already normalised) for None or any name of
+    it, or "float8_e4m3fn" (aliases fp8, e4m3, fp8_e4m3, float8_e4m3, torch.float8_e4m3fn).
+
+    Example: ``normalize_kv_dtype("fp8", "bfloat16") == "float8_e4m3fn"``.
+    """
+    if kv_dtype is None:
+        return dtype
+    text = _dtype_name(kv_dtype)
+    if text is not None and text.lower() in _KV_FP8_ALIASES:
+        return "float8_e4m3fn"
+    if text is not None and _ALIASES.get(text.lower()) == dtype:
+        return dtype
+    raise ValueError(
+        f"kv_dtype must be q's dtype ({dtype}) or float8_e4m3fn (aliases fp8, e4m3, "
+        f"torch.float8_e4m3fn), got {kv_dtype!r}")
 
 
 def _dtype_name(dtype: Any) -> str | None:

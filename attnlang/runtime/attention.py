@@ -34,11 +34,13 @@ from typing import Any
 import numpy as np
 
 from attnlang import ir
+from attnlang.codegen.config import KV_FP8
 from attnlang.runtime import hostpath, pairmask, planner
 from attnlang.runtime.arrays import (
     TensorInfo,
     current_stream_ptr,
     data_ptr,
+    is_torch_tensor,
     to_device_param,
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
@@ -116,6 +118,12 @@ class BatchAttention:
             128 with head_dim 192, MLA's shape without weight absorption (DeepSeek-V2/V3
             prefill). v_cache is then [num_pages, page_size, num_kv_heads, head_dim_vo] and
             out [total_q, num_qo_heads, head_dim_vo]. Default: head_dim.
+        kv_dtype: the K/V cache's element type: dtype (default), or "float8_e4m3fn" (alias
+            "fp8"; torch.float8_e4m3fn tensors, or uint8 arrays of the bits). An fp8 cache is
+            dequantised in shared memory after each copy, value = e4m3 * scale of its KV
+            head, before any hook sees it: run() then takes k_scale and v_scale, each a
+            float (one scale for the tensor) or a float32 device array [num_kv_heads], and q,
+            out stay in dtype. See the README's "fp8 KV cache".
 
     Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
     rows per work item) or, when it has more than prefill_min_rows fused rows
@@ -151,10 +159,10 @@ class BatchAttention:
                  arch: str | None = None, num_ctas: int | None = None,
                  num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
                  device: int | None = None, head_dim_vo: int | None = None,
-                 max_pair_mask_bytes: int = 64 << 20):
+                 max_pair_mask_bytes: int = 64 << 20, kv_dtype: Any = None):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
-                                    head_dim_vo)
+                                    head_dim_vo, kv_dtype)
         for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
                             ("max_kv_indices", max_kv_indices),
                             ("max_pair_mask_bytes", max_pair_mask_bytes)):
@@ -202,7 +210,8 @@ class BatchAttention:
                 arch = env.arch() or ("sm_90a" if native == "sm_90" else native)
             self.module = compile_variant(variant_or_module, head_dim=self.shape.head_dim,
                                           dtype=self.shape.dtype, arch=arch,
-                                          head_dim_vo=self.shape.head_dim_vo)
+                                          head_dim_vo=self.shape.head_dim_vo,
+                                          kv_dtype=self.shape.kv_dtype)
         # The IR mask trims each work unit's KV range at plan time (plan_trim.trim). A module
         # loaded from disk (load_compiled) carries no IR: its plans cover the whole KV range
         # and the kernels skip the EMPTY tiles themselves.
@@ -316,6 +325,7 @@ class BatchAttention:
         # plan (a few: a model's layers share one), tried before the Python path.
         self._hostpath = hostpath.load()
         self._fast_runs: dict[tuple, Any] = {}
+        self._scales: dict[float, Any] = {}  # an fp8 cache's float scales as device arrays
         self._plan: BatchPlan | None = None
         self._inputs: PlanInputs | None = None
 
@@ -413,13 +423,15 @@ class BatchAttention:
 
     def run(self, q: Any, kv_cache: Any, params: Mapping[str, Any] | None = None, *,
             out: Any = None, lse: Any = None, return_lse: bool = False,
-            sm_scale: float | None = None):
+            sm_scale: float | None = None, k_scale: Any = None, v_scale: Any = None):
         """Attention of the planned batch. Validates everything before launching.
 
         q [total_q, num_qo_heads, head_dim]; kv_cache = (k_cache, v_cache), each
         [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo); params: the
         variant's run-time params by name; out (optional) like q (head_dim_vo wide); lse
-        (optional) float32 [total_q, num_qo_heads]; sm_scale default 1/sqrt(head_dim). Inputs
+        (optional) float32 [total_q, num_qo_heads]; sm_scale default 1/sqrt(head_dim);
+        k_scale, v_scale (an fp8 cache's, required there and refused elsewhere): a float or
+        a float32 device array [num_kv_heads], the factor of each KV head's values. Inputs
         are CuPy arrays or CUDA torch tensors (bf16 CuPy data without ml_dtypes: uint16
         bits); outputs come back in the same type, on the caller's current stream (torch's for
         torch inputs).
@@ -432,8 +444,11 @@ class BatchAttention:
         Host cost: a call whose inputs differ from an earlier call of the same plan only in
         their addresses (another layer's cache, a new q) reuses that call's validation
         (`call_signature`): it reads pointers, checks their alignment and launches, in C
-        (`runtime/hostpath.c`) where it can be built, else in Python.
+        (`runtime/hostpath.c`) where it can be built, else in Python (an fp8 cache's calls
+        take the Python path: its scales are tensor params).
         """
+        if k_scale is not None or v_scale is not None or self.shape.kv_dtype == KV_FP8:
+            params = self._with_kv_scales(params, k_scale, v_scale, q)
         if lse is None and not return_lse:
             for fast in self._fast_runs.values():
                 out_obj = fast(q, kv_cache, params, out, sm_scale)
@@ -517,6 +532,50 @@ class BatchAttention:
         if return_lse:
             return out_obj, (lse_obj if self.module.softmax else None)
         return out_obj
+
+    def _with_kv_scales(self, params, k_scale, v_scale, q) -> dict:
+        """params with an fp8 cache's scales added as the module's k_scale and v_scale params
+        (float[kv_heads]): a float becomes a device array of that value per KV head, made
+        once per value (CUDA graphs: made before capture, it is the same buffer after)."""
+        if self.shape.kv_dtype != KV_FP8:
+            raise TypeError(f"k_scale and v_scale are for an fp8 KV cache; this BatchAttention's "
+                            f"cache is {self.shape.kv_dtype} (build it with kv_dtype='fp8')")
+        if k_scale is None or v_scale is None:
+            missing = "k_scale" if k_scale is None else "v_scale"
+            raise TypeError(f"an fp8 KV cache needs k_scale and v_scale (missing {missing}): a "
+                            "float, or a float32 device array [num_kv_heads]; 1.0 for values "
+                            "stored unscaled")
+        params = {} if params is None else params
+        if not isinstance(params, Mapping):
+            raise TypeError(f"params must be a dict of the variant's params, got "
+                            f"{type(params).__name__}")
+        clash = [n for n in ir.KV_SCALE_PARAMS if n in params]
+        if clash:
+            raise TypeError(f"pass {clash[0]} as run()'s {clash[0]}= argument, not in params")
+        merged = dict(params)
+        for name, value in zip(ir.KV_SCALE_PARAMS, (k_scale, v_scale), strict=True):
+            merged[name] = self._scale_array(name, value, q) if _is_number(value) else value
+        return merged
+
+    def _scale_array(self, name: str, value, q):
+        """The device array [num_kv_heads] of a float scale, one per distinct value, kept for
+        the BatchAttention's life (a graph may hold it; a model has a few values per layer)."""
+        if isinstance(value, bool):
+            raise TypeError(f"{name} must be a float or a float32 device array, got a bool")
+        value = float(value)
+        array = self._scales.get(value)
+        if array is None:
+            import cupy
+
+            stream = current_stream_ptr(is_torch_tensor(q), self.device)
+            if self._runtime.streamIsCapturing(stream):
+                raise ValueError(
+                    f"{name}={value} is a new scale while a CUDA graph is being captured: pass a "
+                    "float32 device array, or run once with this value before capturing")
+            with cupy.cuda.Device(self.device):
+                array = cupy.full(self.shape.num_kv_heads, value, dtype=np.float32)
+            self._scales[value] = array
+        return array
 
     def _use_fast_run(self, key: tuple, arrays: tuple, params, sm_scale,
                       checked: CheckedCall) -> None:
@@ -658,14 +717,19 @@ _CHECKED_CALLS = 64
 _FAST_RUNS = 4
 
 
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating))
+
+
 def _check_module(module: KernelModule, shape: AttentionShape) -> None:
-    have = (module.head_dim, module.head_dim_vo, module.dtype)
-    if have != (shape.head_dim, shape.head_dim_vo, shape.dtype):
+    have = (module.head_dim, module.head_dim_vo, module.dtype, module.kv_dtype)
+    if have != (shape.head_dim, shape.head_dim_vo, shape.dtype, shape.kv_dtype):
         raise ValueError(
             f"the compiled module {module.name} is {module.dtype} head_dim {module.head_dim}"
-            f"/{module.head_dim_vo} (query-key/value), but this BatchAttention asks for "
-            f"{shape.dtype} head_dim {shape.head_dim}/{shape.head_dim_vo}: compile the variant "
-            "for those (attnlang.compile) or pass the Variant itself"
+            f"/{module.head_dim_vo} (query-key/value), cache {module.kv_dtype}, but this "
+            f"BatchAttention asks for {shape.dtype} head_dim {shape.head_dim}/"
+            f"{shape.head_dim_vo}, cache {shape.kv_dtype}: compile the variant for those "
+            "(attnlang.compile) or pass the Variant itself"
         )
     missing = [k for k in ("decode", "prefill", "merge") if k not in module.cubins]
     if missing:

@@ -34,8 +34,8 @@ from pathlib import Path
 from typing import Any
 
 from attnlang import ir
-from attnlang.codegen.config import HEAD_DIM_PAIRS, HEAD_DIMS, check_head_dims
-from attnlang.runtime.arrays import normalize_dtype
+from attnlang.codegen.config import HEAD_DIM_PAIRS, HEAD_DIMS, KV_FP8, check_head_dims
+from attnlang.runtime.arrays import normalize_dtype, normalize_kv_dtype
 from attnlang.runtime.compiler import Cubin, FunctionInfo
 
 __all__ = [
@@ -66,7 +66,8 @@ class KernelModule:
     "miss", or "loaded" for a module read by load_compiled), path), entries (kind -> extern
     "C" entry name), variant (the ir.Variant, None for a loaded module), param_dims (tensor
     param name -> the length of its `dim` axis: head_dim, or head_dim_vo for a table the value
-    and output stages read).
+    and output stages read), kv_dtype (the K/V cache's element type: dtype, or
+    "float8_e4m3fn", whose kernels take the scales k_scale and v_scale as the last params).
 
     Example::
 
@@ -89,6 +90,7 @@ class KernelModule:
     nvrtc_version: str = "unknown"
     head_dim_vo: int = 0  # 0: head_dim (set in __post_init__)
     param_dims: Mapping[str, int] = field(default_factory=dict, repr=False)
+    kv_dtype: str = ""  # "": dtype (set in __post_init__)
     # device ordinal -> kind -> (cupy.cuda.Module, Function, dynamic smem opted into)
     _loaded: dict = field(default_factory=dict, init=False, repr=False)
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
@@ -96,14 +98,17 @@ class KernelModule:
     def __post_init__(self):
         if not self.head_dim_vo:
             object.__setattr__(self, "head_dim_vo", self.head_dim)
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
     @property
     def kinds(self) -> tuple[str, ...]:
         return tuple(self.cubins)
 
     def label(self, kind: str) -> str:
-        """Human name of one kernel, e.g. "softcap/decode bf16 d128 sm_90a"."""
-        return (f"{self.name}/{kind} {_SHORT_DTYPE[self.dtype]} "
+        """Human name of one kernel, e.g. "softcap/decode bf16 d128 sm_90a" (with "fp8 KV"
+        after the dtype for an fp8 cache)."""
+        return (f"{self.name}/{kind} {_dtype_label(self.dtype, self.kv_dtype)} "
                 f"{_dims_label(self.head_dim, self.head_dim_vo)} {self.arch}")
 
     def save(self, directory: str | os.PathLike) -> Path:
@@ -130,6 +135,7 @@ class KernelModule:
                 "params": [_param_to_json(p) for p in self.params],
             },
             "dtype": self.dtype,
+            "kv_dtype": self.kv_dtype,
             "head_dim": self.head_dim,
             "head_dim_vo": self.head_dim_vo,
             "param_dims": dict(self.param_dims),
@@ -188,13 +194,15 @@ _MODULES_LOCK = threading.Lock()
 
 def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat16",
                     arch: str | None = None, kinds: tuple[str, ...] = KINDS,
-                    head_dim_vo: int | None = None) -> KernelModule:
+                    head_dim_vo: int | None = None, kv_dtype: Any = None) -> KernelModule:
     """Render and compile `variant`'s kernels (one per kind) for (dtype, head_dim, arch).
 
     Needs NVRTC and the CUDA headers, not a GPU. arch None: ``ATTNLANG_ARCH``, else the
     current GPU's. Cached in memory (per process) and on disk (by the compiler).
     head_dim_vo: the values' and outputs' head dim, None for head_dim (MLA: head_dim=192,
-    head_dim_vo=128; `config.HEAD_DIM_PAIRS`).
+    head_dim_vo=128; `config.HEAD_DIM_PAIRS`). kv_dtype: the K/V cache's element type, None
+    for dtype, or "float8_e4m3fn" (alias "fp8"): the module's params then end with the
+    cache's scales k_scale and v_scale, float[kv_heads] (`ir.with_kv_scales`).
 
     Example: ``compile_variant(v, head_dim=128, dtype="bf16", arch="sm_90a").kinds``
     -> ``("decode", "prefill", "merge")``.
@@ -210,21 +218,24 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     param_dims = {name: sizes["dim"] for name, sizes in
                   ir.extent_sizes(variant, 1, 1, 1, head_dim, head_dim_vo).items()}
     dtype = normalize_dtype(dtype)
+    kv_dtype = normalize_kv_dtype(kv_dtype, dtype)
+    if kv_dtype == KV_FP8:
+        variant = ir.with_kv_scales(variant)
     kinds = tuple(kinds)
     unknown = [k for k in kinds if k not in KINDS]
     if unknown or not kinds:
         raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
     arch = resolve_arch(arch)
-    key = (variant, head_dim, head_dim_vo, dtype, arch, kinds)
+    key = (variant, head_dim, head_dim_vo, dtype, kv_dtype, arch, kinds)
     with _MODULES_LOCK:
         hit = _MODULES.get(key)
     if hit is not None:
         return hit
-    short = _SHORT_DTYPE[dtype]
+    short = _dtype_label(dtype, kv_dtype)
     dims = _dims_label(head_dim, head_dim_vo)
     labels = {kind: f"{variant.name}/{kind} {short} {dims}" for kind in kinds}
-    sources = {kind: generate_source(variant, kind, dtype, head_dim, arch, head_dim_vo)
-               for kind in kinds}
+    sources = {kind: generate_source(variant, kind, dtype, head_dim, arch, head_dim_vo,
+                                     kv_dtype) for kind in kinds}
     # The kinds compile concurrently: NVRTC runs without the GIL, and separate programs may
     # compile at once, so a cold compile takes about as long as its slowest kernel.
     with ThreadPoolExecutor(max_workers=len(kinds)) as pool:
@@ -239,7 +250,7 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
         name=variant.name, params=tuple(variant.params), softmax=bool(variant.softmax),
         dtype=dtype, head_dim=head_dim, arch=arch, cubins=cubins, entries=entries,
         variant=variant, nvrtc_version=f"{major}.{minor}", head_dim_vo=head_dim_vo,
-        param_dims=param_dims,
+        param_dims=param_dims, kv_dtype=kv_dtype,
     )
     with _MODULES_LOCK:
         return _MODULES.setdefault(key, module)
@@ -311,6 +322,8 @@ def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -
             head_dim_vo=check_head_dims(manifest["head_dim"],
                                         manifest.get("head_dim_vo", manifest["head_dim"]))[1],
             param_dims={str(k): int(v) for k, v in manifest.get("param_dims", {}).items()},
+            kv_dtype=normalize_kv_dtype(manifest.get("kv_dtype"),
+                                        normalize_dtype(manifest["dtype"])),
         )
     except ModuleLoadError:
         raise
@@ -326,6 +339,11 @@ def check_head_dim(head_dim: Any) -> int:
         raise ValueError(f"head_dim must be one of {', '.join(map(str, dims))}, "
                          f"got {head_dim!r}")
     return int(head_dim)
+
+
+def _dtype_label(dtype: str, kv_dtype: str) -> str:
+    """"bf16", or "bf16 fp8 KV" for an fp8 cache."""
+    return _SHORT_DTYPE[dtype] + (" fp8 KV" if kv_dtype == KV_FP8 else "")
 
 
 def _dims_label(head_dim: int, head_dim_vo: int) -> str:

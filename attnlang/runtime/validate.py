@@ -21,9 +21,15 @@ from typing import Any
 import numpy as np
 
 from attnlang import ir
-from attnlang.codegen.config import check_head_dims
+from attnlang.codegen.config import KV_FP8, check_head_dims
 from attnlang.errors import did_you_mean
-from attnlang.runtime.arrays import TensorInfo, describe, host_int_array, normalize_dtype
+from attnlang.runtime.arrays import (
+    TensorInfo,
+    describe,
+    host_int_array,
+    normalize_dtype,
+    normalize_kv_dtype,
+)
 from attnlang.runtime.planner import PlanError, lengths_from_indptr
 
 __all__ = [
@@ -44,10 +50,13 @@ class AttentionShape:
     dtype: str  # "float16" | "bfloat16"
     page_size: int
     head_dim_vo: int = 0  # of values and outputs; 0 (validate_shape never leaves it): head_dim
+    kv_dtype: str = ""  # of k_cache and v_cache: dtype or "float8_e4m3fn"; "": dtype
 
     def __post_init__(self):
         if not self.head_dim_vo:
             object.__setattr__(self, "head_dim_vo", self.head_dim)
+        if not self.kv_dtype:
+            object.__setattr__(self, "kv_dtype", self.dtype)
 
     @property
     def group_size(self) -> int:
@@ -55,9 +64,11 @@ class AttentionShape:
 
 
 def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: Any,
-                   page_size: Any, head_dim_vo: Any = None) -> AttentionShape:
+                   page_size: Any, head_dim_vo: Any = None,
+                   kv_dtype: Any = None) -> AttentionShape:
     """Check BatchAttention's geometry; raise ValueError/TypeError naming the argument.
-    head_dim_vo: the values' head dim (None: head_dim; `config.HEAD_DIM_PAIRS`).
+    head_dim_vo: the values' head dim (None: head_dim; `config.HEAD_DIM_PAIRS`); kv_dtype:
+    the cache's element type (None: dtype; `arrays.normalize_kv_dtype`).
 
     Example: ``validate_shape(32, 8, 128, "bf16", 16).group_size == 4``.
     """
@@ -70,8 +81,9 @@ def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: A
             f"({num_kv_heads}): each KV head serves a group of query heads (GQA)"
         )
     head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
-    return AttentionShape(int(num_qo_heads), int(num_kv_heads), head_dim,
-                          normalize_dtype(dtype), int(page_size), head_dim_vo)
+    dtype = normalize_dtype(dtype)
+    return AttentionShape(int(num_qo_heads), int(num_kv_heads), head_dim, dtype,
+                          int(page_size), head_dim_vo, normalize_kv_dtype(kv_dtype, dtype))
 
 
 @dataclass(frozen=True, eq=False)
@@ -197,7 +209,8 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
     q [total_q, num_qo_heads, head_dim]; kv_cache = (k_cache, v_cache), each
     [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo); out
     [total_q, num_qo_heads, head_dim_vo]; lse [total_q, num_qo_heads] float32. All
-    contiguous, on one device, q/k/v/out of the BatchAttention's dtype. dim_sizes: the length
+    contiguous, on one device, q/out of the BatchAttention's dtype, k/v of its kv_dtype (an
+    fp8 cache as float8_e4m3fn or uint8 bits). dim_sizes: the length
     of each tensor param's `dim` axis (`ir.extent_sizes`; None: head_dim). plan_params: the
     kernel arguments of the per-pair masks plan() took (their device buffers).
     """
@@ -221,8 +234,15 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
         _check_array(vi, "v_cache", ki.shape[:3] + (shape.head_dim_vo,),
                      "[num_pages, page_size, num_kv_heads, head_dim_vo]")
     for name, info in (("k_cache", ki), ("v_cache", vi)):
-        if info.dtype != qi.dtype:
-            raise TypeError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; they must match")
+        if shape.kv_dtype == KV_FP8:
+            if info.dtype not in (KV_FP8, "uint8"):
+                raise TypeError(f"{name} has dtype {info.dtype} but this BatchAttention was built "
+                                f"for an fp8 cache: pass {KV_FP8} (or its bits as uint8)")
+        elif info.dtype != qi.dtype:
+            hint = (" (for an fp8 cache build the BatchAttention with kv_dtype='fp8')"
+                    if info.dtype in (KV_FP8, "uint8") else "")
+            raise TypeError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; they must "
+                            f"match{hint}")
     if inputs.max_page >= num_pages:
         raise ValueError(
             f"kv_indices (given to plan()) refers to page {inputs.max_page}, but k_cache has only "
@@ -235,7 +255,9 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
                      "[total_q, num_qo_heads, head_dim]" if shape.head_dim_vo == d
                      else "[total_q, num_qo_heads, head_dim_vo]")
         if outi.dtype != qi.dtype:
-            raise TypeError(f"out has dtype {outi.dtype} but q has {qi.dtype}; they must match")
+            hint = " (only the KV cache may be fp8)" if outi.dtype in (KV_FP8, "uint8") else ""
+            raise TypeError(f"out has dtype {outi.dtype} but q has {qi.dtype}; they must "
+                            f"match{hint}")
     if lse is not None:
         lsei = _device_tensor(lse, "lse")
         _check_array(lsei, "lse", (total_q, hq), "[total_q, num_qo_heads]")
@@ -411,8 +433,10 @@ def _check_dtype(info: TensorInfo, name: str, dtype: str) -> None:
     # CuPy without ml_dtypes has no bfloat16: its bits travel as uint16 (arrays.py).
     if dtype == "bfloat16" and info.dtype == "uint16" and info.kind != "torch":
         return
+    hint = (f"; only the KV cache may be fp8 ({name} stays {dtype})"
+            if info.dtype in (KV_FP8, "float8_e5m2", "uint8") else "")
     raise TypeError(f"{name} has dtype {info.dtype} but this BatchAttention was built for "
-                    f"{dtype}")
+                    f"{dtype}{hint}")
 
 
 def _check_same_device(arrays: list[tuple[str, TensorInfo]]) -> None:

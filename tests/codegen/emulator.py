@@ -28,8 +28,8 @@ from pathlib import Path
 
 import numpy as np
 
-from attnlang import ir, reference
-from attnlang.codegen.config import launch_config
+from attnlang import fp8, ir, paths, reference
+from attnlang.codegen.config import KV_FP8, launch_config
 from attnlang.codegen.lower import lower
 from attnlang.codegen.render import render
 from attnlang.runtime import pairmask
@@ -47,6 +47,8 @@ _PTX = [
     ('asm volatile("cp.async.wait_all;\\n" ::: "memory");', "emu_wait(0);"),
 ]
 _CP_ASYNC = re.compile(r'asm volatile\("cp\.async\.cg\.shared\.global.*?\);', re.S)
+_CP_ASYNC_8 = re.compile(r'asm volatile\("cp\.async\.ca\.shared\.global \[%0\], \[%1\], 8, '
+                         r'%2;.*?\);', re.S)
 # Any other inline PTX (helpers of other kernels, e.g. mma / ldmatrix) compiles to a trap.
 _OTHER_ASM = re.compile(r"^(\s*)asm\s*(?:volatile\s*)?\(.*?\);", re.S | re.M)
 
@@ -111,17 +113,31 @@ def entry_args(src: str, kind: str) -> list[tuple[str, str]]:
     return args
 
 
-def _emulated_source(src: str, kind: str) -> str:
+def _emulated_device_code(src: str) -> str:
+    """Device code that includes common.cuh, with the shim for CUDA's headers and its inline
+    PTX (other inline PTX becomes a trap)."""
     src = src.replace("#include <cuda_fp16.h>", f'#include "{SHIM}"')
     src = src.replace("#include <cuda_bf16.h>", "")
     for ptx, emu in _PTX:
         assert ptx in src, f"common.cuh changed: {ptx!r} not found; update the emulator"
         src = src.replace(ptx, emu)
     src, n = _CP_ASYNC.subn("emu_cp_async(smem_dst, gmem_src, valid);", src)
-    assert n == 1, "common.cuh changed: cp.async statement not found"
+    src, n8 = _CP_ASYNC_8.subn("emu_cp_async(smem_dst, gmem_src, valid, 8);", src)
+    assert n == 1 and n8 == 1, "common.cuh changed: cp.async statements not found"
+    return _OTHER_ASM.sub(r"\1emu_unsupported(__LINE__);", src)
+
+
+def common_program(main: str) -> str:
+    """common.cuh alone, emulated, followed by `main` (C++ using namespace attnlang): unit
+    tests of its helpers."""
+    common = (paths.templates_dir() / "common.cuh").read_text()
+    return _emulated_device_code(common) + "\nusing namespace attnlang;\n" + main
+
+
+def _emulated_source(src: str, kind: str) -> str:
+    src = _emulated_device_code(src)
     src = src.replace("extern __shared__ __align__(16) unsigned char smem[];",
                       "unsigned char* smem = emu_smem();")
-    src = _OTHER_ASM.sub(r"\1emu_unsupported(__LINE__);", src)
     args = entry_args(src, kind)
     calls = [f'({t})buf("{n}")' if "*" in t else
              f'ival("{n}")' if "int" in t else f'fval("{n}")' for t, n in args]
@@ -132,11 +148,34 @@ def _emulated_source(src: str, kind: str) -> str:
 
 
 def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path,
-          head_dim_vo: int | None = None) -> Path:
+          head_dim_vo: int | None = None, kv_dtype: str | None = None) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
-    src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo), kind)
+    src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo, kv_dtype),
+                           kind)
     return compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{head_dim_vo}",
                           bin_dir, (SHIM,))
+
+
+def kv_data(rng, shape: tuple[int, ...], dtype: str, kv_dtype: str | None,
+            scales: np.ndarray | None) -> tuple[np.ndarray, np.ndarray]:
+    """A random K or V cache: (its raw storage, the float64 values the kernels compute
+    with). An fp8 cache (kv_dtype KV_FP8) holds values of a few magnitudes as e4m3 bytes
+    over its scale per KV head (axis 2), as a cache writer quantises them (scales near
+    amax / 448 use the whole e4m3 range), seen times the scale."""
+    if kv_dtype != KV_FP8:
+        return _to_bits(rng.standard_normal(shape), dtype)
+    per_head = scales.astype(np.float64)[None, None, :, None]
+    values = rng.standard_normal(shape) * np.exp2(rng.integers(-2, 2, shape))
+    bits = fp8.to_e4m3(values / per_head)
+    return bits, fp8.from_e4m3(bits) * per_head
+
+
+def with_kv_scales(v: ir.Variant, params: dict, kv_dtype: str | None, scales) -> tuple:
+    """(the variant the kernels are built from, their params): an fp8 cache adds k_scale and
+    v_scale (`ir.with_kv_scales`; scales: (k, v) float32 arrays [num_kv_heads])."""
+    if kv_dtype != KV_FP8:
+        return v, params
+    return ir.with_kv_scales(v), {**params, "k_scale": scales[0], "v_scale": scales[1]}
 
 
 def compile_cached(src: str, name: str, bin_dir: Path, shims: tuple[Path, ...]) -> Path:
@@ -268,11 +307,12 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
              kv_lens=(37, 100, 5), page_size: int = 16, num_ctas: int = 4,
              kv_chunk_size: int | None = None, params: dict | None = None,
              sm_scale: float | None = None, eager: bool = False, seed: int = 0,
-             head_dim_vo: int | None = None) -> Result:
+             head_dim_vo: int | None = None, kv_dtype: str | None = None) -> Result:
     """Plan a random paged batch, run decode (+ merge) emulated, compare with the reference.
 
     Pages are shuffled in memory; out, lse and the partial buffers start as NaN.
-    kv_chunk_size forces split requests (partial states + the merge kernel).
+    kv_chunk_size forces split requests (partial states + the merge kernel). kv_dtype
+    KV_FP8: an fp8 cache with random scales per KV head (the reference sees the values).
     """
     rng = np.random.default_rng(seed)
     group = num_heads // num_kv_heads
@@ -289,14 +329,16 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     dv = head_dim if head_dim_vo is None else head_dim_vo
     q_bits, q = _to_bits(rng.standard_normal((total_q, num_heads, head_dim)), dtype)
     cache_shape = (total_pages, page_size, num_kv_heads, head_dim)
-    k_bits, k = _to_bits(rng.standard_normal(cache_shape), dtype)
-    v_bits, vv = _to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
+    kv_scales = rng.uniform(0.004, 0.03, (2, num_kv_heads)).astype(np.float32)
+    k_bits, k = kv_data(rng, cache_shape, dtype, kv_dtype, kv_scales[0])
+    v_bits, vv = kv_data(rng, cache_shape[:3] + (dv,), dtype, kv_dtype, kv_scales[1])
     sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
     params = _params(v, rng, sizes, kv_lens, params, qo_lens)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)
 
+    v, params = with_kv_scales(v, params, kv_dtype, kv_scales)
     hooks = lower(v)
     cfg = launch_config("decode", head_dim, group, dtype, head_dim_vo=dv)
     plan = plan_batch(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
@@ -320,8 +362,8 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     tensor_params = kernel_param_values(hooks, v, params, scalars, qo_lens, kv_lens)
     arrays.update(tensor_params)
     bin_dir = workdir / "bin"
-    res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir, dv), workdir / "run", arrays,
-                  scalars, plan.num_ctas, cfg, eager)
+    res = _launch(build(hooks, "decode", dtype, head_dim, bin_dir, dv, kv_dtype),
+                  workdir / "run", arrays, scalars, plan.num_ctas, cfg, eager)
     out, lse = res["out"], res["lse"]
     if plan.merge_count:
         merge_arrays = {

@@ -44,6 +44,9 @@ _SMEM_U32 = "return static_cast<unsigned>(__cvta_generic_to_shared(ptr));"
 _CP_ASYNC_SHARED = re.compile(
     r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;'
     r'\\n"\s*::\s*"r"\(dst\), "l"\(src\), "r"\(valid \? 16 : 0\).*?\);', re.S)
+_CP_ASYNC_SHARED_8 = re.compile(
+    r'asm volatile\("cp\.async\.ca\.shared\.global \[%0\], \[%1\], 8, %2;'
+    r'\\n"\s*::\s*"r"\(dst\), "l"\(src\), "r"\(valid \? 8 : 0\).*?\);', re.S)
 
 
 def _emulated_source(src: str, kind: str) -> str:
@@ -54,7 +57,8 @@ def _emulated_source(src: str, kind: str) -> str:
     assert n_ld == 2 and n_mma == 2, "common.cuh's mma section changed; update the emulator"
     assert _SMEM_U32 in src, "common.cuh's smem_u32 changed; update the emulator"
     src, n_cp = _CP_ASYNC_SHARED.subn("emu_cp_async(emu_smem() + dst, src, valid);", src)
-    assert n_cp == (kind == "prefill"), (
+    src, n_cp8 = _CP_ASYNC_SHARED_8.subn("emu_cp_async(emu_smem() + dst, src, valid, 8);", src)
+    assert n_cp == n_cp8 == (kind == "prefill"), (
         "prefill_tiles.cuh's cp_async_16_shared changed; update the emulator")
     src = src.replace(_SMEM_U32, "return (unsigned)((const unsigned char*)ptr - emu_smem());")
     src = src.replace("extern __shared__ __align__(1024) unsigned char smem[];",
@@ -65,9 +69,10 @@ def _emulated_source(src: str, kind: str) -> str:
 
 
 def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path,
-          head_dim_vo: int | None = None) -> Path:
+          head_dim_vo: int | None = None, kv_dtype: str | None = None) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
-    src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo), kind)
+    src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo, kv_dtype),
+                           kind)
     return base.compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{head_dim_vo}",
                                bin_dir, (base.SHIM, SHIM))
 
@@ -87,10 +92,12 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
              num_heads: int = 4, num_kv_heads: int = 2, qo_lens=(40, 1), kv_lens=(90, 33),
              page_size: int = 16, num_ctas: int = 3, kv_chunk_size: int | None = None,
              sm_scale: float | None = None, eager: bool = False, seed: int = 0,
-             head_dim_vo: int | None = None, params: dict | None = None) -> Result:
+             head_dim_vo: int | None = None, params: dict | None = None,
+             kv_dtype: str | None = None) -> Result:
     """Plan a random paged batch with plan_mixed, run decode / prefill / merge emulated (each
     only if it has work), compare with the reference. Outputs and partials start as NaN.
-    params: run-time params to use instead of random ones (by name)."""
+    params: run-time params to use instead of random ones (by name). kv_dtype: as in
+    emulator.run_case (an fp8 cache)."""
     rng = np.random.default_rng(seed)
     group = num_heads // num_kv_heads
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
@@ -105,14 +112,16 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     dv = head_dim if head_dim_vo is None else head_dim_vo
     q_bits, q = base._to_bits(rng.standard_normal((total_q, num_heads, head_dim)), dtype)
     cache_shape = (total_pages, page_size, num_kv_heads, head_dim)
-    k_bits, k = base._to_bits(rng.standard_normal(cache_shape), dtype)
-    v_bits, vv = base._to_bits(rng.standard_normal(cache_shape[:3] + (dv,)), dtype)
+    kv_scales = rng.uniform(0.004, 0.03, (2, num_kv_heads)).astype(np.float32)
+    k_bits, k = base.kv_data(rng, cache_shape, dtype, kv_dtype, kv_scales[0])
+    v_bits, vv = base.kv_data(rng, cache_shape[:3] + (dv,), dtype, kv_dtype, kv_scales[1])
     sizes = ir.extent_sizes(v, num_heads, num_kv_heads, len(qo_lens), head_dim, dv)
     params = base._params(v, rng, sizes, kv_lens, params, qo_lens)
     scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else sm_scale
     ref_o, ref_lse = reference.attention_paged(v, q, k, vv, qo_indptr, kv_indptr, kv_indices,
                                                last, params=params, sm_scale=scale)
 
+    v, params = base.with_kv_scales(v, params, kv_dtype, kv_scales)
     hooks = lower(v)
     cfgs = {kind: launch_config(kind, head_dim, group, dtype, head_dim_vo=dv)
             for kind in ("decode", "prefill")}
@@ -143,8 +152,8 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
             **{name: a.astype(np.int32) for name, a in sub.work_arrays().items()},
             **tensor_params,
         }
-        res = base._launch(build(hooks, kind, dtype, head_dim, bin_dir, dv), workdir / "run",
-                           arrays, scalars, num_ctas, cfgs[kind], eager)
+        res = base._launch(build(hooks, kind, dtype, head_dim, bin_dir, dv, kv_dtype),
+                           workdir / "run", arrays, scalars, num_ctas, cfgs[kind], eager)
         state = {name: res[name] for name in state}
     if plan.merge_count:
         arrays = {

@@ -8,7 +8,6 @@
 //   mma m16n8k16      bf16 / f16 inputs, fp32 accumulation (exact products, float sums)
 // Shared-memory "addresses" are byte offsets from the block's emulated shared memory.
 #pragma once
-inline float2 make_float2(float a, float b) { return {a, b}; }
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
 struct EmuXchg { unsigned long long v[32][16]; };
 static EmuXchg g_xchg[64];

@@ -47,7 +47,9 @@ inline dim3u blockDim, gridDim;
 struct float2 { float x, y; };
 struct alignas(16) float4 { float x, y, z, w; };
 struct alignas(16) uint4 { unsigned x, y, z, w; };
+struct alignas(8) uint2 { unsigned x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
+inline float2 make_float2(float a, float b) { return {a, b}; }
 
 struct half { uint16_t bits; };
 struct __nv_bfloat16 { uint16_t bits; };
@@ -172,14 +174,15 @@ inline unsigned __ballot_sync(unsigned mask, bool pred) {
 }
 
 // ---------------------------------------------------------------- cp.async
-struct Copy { void* dst; const void* src; bool valid; };
+struct Copy { void* dst; const void* src; bool valid; int bytes; };
 inline thread_local std::deque<std::vector<Copy>> tl_groups;
 inline thread_local std::vector<Copy> tl_open;
 inline bool emu_eager() { static int e = getenv("EMU_EAGER") ? atoi(getenv("EMU_EAGER")) : 0; return e; }
-inline void emu_do(const Copy& c) { if (c.valid) memcpy(c.dst, c.src, 16); else memset(c.dst, 0, 16); }
-inline void emu_cp_async(void* dst, const void* src, bool valid) {
-  if (((uintptr_t)dst & 15) || (valid && ((uintptr_t)src & 15))) { fprintf(stderr, "EMU: misaligned cp.async\n"); std::_Exit(5); }
-  if (emu_eager()) emu_do({dst, src, valid}); else tl_open.push_back({dst, src, valid});
+inline void emu_do(const Copy& c) { if (c.valid) memcpy(c.dst, c.src, c.bytes); else memset(c.dst, 0, c.bytes); }
+inline void emu_cp_async(void* dst, const void* src, bool valid, int bytes = 16) {
+  const uintptr_t align = (uintptr_t)bytes - 1;
+  if (((uintptr_t)dst & align) || (valid && ((uintptr_t)src & align))) { fprintf(stderr, "EMU: misaligned cp.async\n"); std::_Exit(5); }
+  if (emu_eager()) emu_do({dst, src, valid, bytes}); else tl_open.push_back({dst, src, valid, bytes});
 }
 inline void emu_commit() { tl_groups.push_back(tl_open); tl_open.clear(); }
 inline void emu_wait(int n) {

@@ -182,3 +182,41 @@ def test_rope_at_large_positions(offset, workdir):
     offsets = np.array([offset, offset + 7, offset - 5], np.int32)
     check(emulator.run_case(v, workdir, dtype="float16", head_dim=128,
                             params={"offset": offsets}, kv_chunk_size=32), "float16")
+
+
+def test_fp8_codes_decode_exactly(workdir):
+    # common.cuh's fp8x4_to_float off sm_89 (the bit path the emulator runs; sm_89+ converts
+    # in hardware, which the GPU tests check): all 256 codes, NaN for S.1111.111.
+    main = r"""
+#include <cstdio>
+int main() {
+  for (unsigned w = 0; w < 256; w += 4) {
+    float x[4];
+    fp8x4_to_float(w | (w + 1) << 8 | (w + 2) << 16 | (w + 3) << 24, x);
+    for (int i = 0; i < 4; ++i) printf("%a\n", x[i]);
+  }
+}
+"""
+    exe = emulator.compile_cached(emulator.common_program(main), "fp8_codes", workdir / "bin",
+                                  (emulator.SHIM,))
+    out = emulator.subprocess.run([str(exe)], capture_output=True, text=True, check=True)
+    got = np.array([float.fromhex(t) for t in out.stdout.split()])
+    want = attnlang.fp8.from_e4m3(np.arange(256, dtype=np.uint8))
+    np.testing.assert_array_equal(got, want)  # NaN where both are NaN
+
+
+@pytest.mark.parametrize("case", [
+    # causal, MHA d128, split + merged (the merge sees only float partials)
+    dict(name="causal", head_dim=128, num_heads=4, num_kv_heads=4, kv_chunk_size=40),
+    # fp16 output, GQA, the key hook (norm + rope) sees the dequantised keys, page size 5
+    dict(name="qk_norm", dtype="float16", num_heads=8, num_kv_heads=2, page_size=5),
+    # a value hook and an output hook, MLA's head dims
+    dict(name="kitchen_sink", head_dim=192, head_dim_vo=128, kv_chunk_size=32),
+], ids=["causal-d128-split", "qk_norm-fp16", "kitchen_sink-192"])
+def test_fp8_cache(case, workdir):
+    # K and V as e4m3 bytes with a scale per KV head, dequantised in shared memory; the
+    # reference computes with the dequantised values (tolerances of the output dtype).
+    case = dict(case)
+    v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index(case.pop("name"))])
+    r = emulator.run_case(v, workdir, kv_dtype="float8_e4m3fn", seed=7, **case)
+    check(r, case.get("dtype", "bfloat16"))

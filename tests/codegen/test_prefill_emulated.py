@@ -134,3 +134,22 @@ def test_rows_that_see_no_key(workdir):
     r = emulator_prefill.run_case(v, workdir / "future", qo_lens=(40, 20), kv_lens=(40, 90),
                                   sm_scale=-0.3)
     assert not r.has_nan and r.lse_finite_matches and r.rel_err <= TOL["bfloat16"], r
+
+
+@pytest.mark.parametrize("case", [
+    # plain causal, a decode request beside the prefill ones, split rows
+    dict(name="examples/causal.attn", qo_lens=(70, 1), kv_lens=(200, 50), kv_chunk_size=96),
+    # fp16 output, head_dim 128: the key hook (norm, rope) sees the dequantised keys
+    dict(name="examples/qk_norm.attn", dtype="float16", head_dim=128, qo_lens=(40,),
+         kv_lens=(150,), page_size=5),
+], ids=["causal-mixed", "qk_norm-fp16-128"])
+def test_fp8_cache(case, workdir):
+    # K and V as e4m3 bytes with a scale per KV head: each loading thread dequantises its own
+    # chunks in place before the hooks and the mmas (the mma.sync path; the producer's
+    # dequantisation on the wgmma path is checked on the GPU).
+    case = dict(case)
+    v = attnlang.load(ROOT / case.pop("name"))
+    r = emulator_prefill.run_case(v, workdir / "fp8", kv_dtype="float8_e4m3fn", seed=3, **case)
+    assert r.prefill_items > 0 and not r.has_nan, r
+    assert r.rel_err <= TOL[case.get("dtype", "bfloat16")], r
+    assert r.lse_finite_matches and r.lse_err <= 5e-3, r

@@ -20,6 +20,7 @@ from attnlang.runtime.arrays import (
     describe,
     float_to_bfloat16_bits,
     normalize_dtype,
+    normalize_kv_dtype,
     round_to_dtype,
 )
 from attnlang.runtime.compiler import Cubin, FunctionInfo
@@ -543,9 +544,81 @@ def test_module_round_trip_of_head_dims(tmp_path):
     loaded = load_compiled(tmp_path / "m")
     assert (loaded.head_dim, loaded.head_dim_vo, dict(loaded.param_dims)) == (192, 128, {"w": 192})
     assert loaded.label("merge") == "softcap/merge bf16 d192/128 sm_90a"
-    with pytest.raises(ValueError, match=r"bfloat16 head_dim 192/128 \(query-key/value\), but "
-                                         r"this BatchAttention asks for bfloat16 head_dim 128/128"):
+    with pytest.raises(ValueError, match=r"bfloat16 head_dim 192/128 \(query-key/value\), cache "
+                                         r"bfloat16, but this BatchAttention asks for bfloat16 "
+                                         r"head_dim 128/128"):
         attnlang.BatchAttention(loaded, 8, 2, 128)
+
+
+# ---------------------------------------------------------------- fp8 KV caches
+
+
+@pytest.mark.parametrize("value", ["fp8", "e4m3", "float8_e4m3fn", "torch.float8_e4m3fn",
+                                   "FP8_E4M3"])
+def test_kv_dtype_aliases(value):
+    assert normalize_kv_dtype(value, "bfloat16") == "float8_e4m3fn"
+    assert normalize_kv_dtype(None, "float16") == "float16"
+    assert normalize_kv_dtype("bf16", "bfloat16") == "bfloat16"
+
+
+@pytest.mark.parametrize("value", ["fp16", "int8", "float8_e5m2", 3])
+def test_kv_dtype_refused(value):
+    with pytest.raises(ValueError, match=r"kv_dtype must be q's dtype \(bfloat16\) or "
+                                         r"float8_e4m3fn"):
+        normalize_kv_dtype(value, "bfloat16")
+
+
+FP8 = A.validate_shape(8, 2, 64, "bf16", 16, kv_dtype="fp8")
+
+
+def test_fp8_cache_arrays():
+    specs = attnlang.ir.with_kv_scales(SOFTCAP).params
+    scales = {"k_scale": dev((2,), "float32"), "v_scale": dev((2,), "float32"), "cap": 30.0}
+    for cache_dtype in ("float8_e4m3fn", "uint8"):
+        cache = dev((10, 16, 2, 64), cache_dtype)
+        got = run_inputs(shape=FP8, specs=specs, kv_cache=(cache, cache), params=scales)
+        assert got.k_cache.dtype == cache_dtype
+    with pytest.raises(TypeError, match=r"k_cache has dtype bfloat16 but this BatchAttention "
+                                        r"was built for an fp8 cache"):
+        run_inputs(shape=FP8, specs=specs, params=scales)
+    cache = dev((10, 16, 2, 64), "float8_e4m3fn")
+    with pytest.raises(TypeError, match=r"q has dtype float8_e4m3fn .*only the KV cache may be "
+                                        r"fp8"):
+        run_inputs(shape=FP8, specs=specs, q=dev((4, 8, 64), "float8_e4m3fn"),
+                   kv_cache=(cache, cache), params=scales)
+    with pytest.raises(TypeError, match=r"out has dtype float8_e4m3fn .*only the KV cache"):
+        run_inputs(shape=FP8, specs=specs, kv_cache=(cache, cache), params=scales,
+                   out=dev((4, 8, 64), "float8_e4m3fn"))
+    with pytest.raises(TypeError, match=r"kv_dtype='fp8'"):
+        run_inputs(kv_cache=(cache, cache))  # a bf16 BatchAttention given an fp8 cache
+
+
+def test_fp8_scale_params():
+    v = attnlang.ir.with_kv_scales(SOFTCAP)
+    assert [p.declared for p in v.params] == ["float", "float[kv_heads]", "float[kv_heads]"]
+    assert attnlang.ir.with_kv_scales(v) is v
+    clash = attnlang.parse("variant c\nparam k_scale: float = 2.0\nlogits = logits * k_scale\n")
+    with pytest.raises(ValueError, match=r"declares param 'k_scale', a name an fp8 KV cache "
+                                         r"gives its dequantisation scales"):
+        attnlang.ir.with_kv_scales(clash)
+
+
+def test_fp8_module_round_trip(tmp_path):
+    module = fake_module(kv_dtype="float8_e4m3fn",
+                         params=attnlang.ir.with_kv_scales(SOFTCAP).params)
+    assert module.label("decode") == "softcap/decode bf16 fp8 KV d128 sm_90a"
+    module.save(tmp_path / "m")
+    loaded = load_compiled(tmp_path / "m")
+    assert loaded.kv_dtype == "float8_e4m3fn" and loaded.params == module.params
+    with pytest.raises(ValueError, match=r"cache float8_e4m3fn, but this BatchAttention asks "
+                                         r"for bfloat16 head_dim 128/128, cache bfloat16"):
+        attnlang.BatchAttention(loaded, 8, 2, 128)
+    # manifests written before fp8 caches: the dtype's own cache
+    path = tmp_path / "m" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    del manifest["kv_dtype"]
+    path.write_text(json.dumps(manifest))
+    assert load_compiled(tmp_path / "m").kv_dtype == "bfloat16"
 
 
 def test_module_round_trip_of_tables_and_old_manifests(tmp_path):

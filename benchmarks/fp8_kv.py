@@ -1,0 +1,238 @@
+"""An fp8 (e4m3) KV cache beside a bf16 one and beside FlashInfer's fp8 decode, in one run
+(issue 13, part 2).
+
+Decode workloads (batch, kv_len), as benchmarks/decode.py's uniform ones: (1, 32768),
+(16, 4096), (64, 2048), (128, 2048), (32, 8192); bf16 q and out, 32 query / 8 KV heads
+(GQA 4: the prefill kernel's decode path), head_dim 128, page 16, pages shuffled; and
+MHA (32 / 32 heads: the CUDA-core decode kernel) at (32, 8192). Prefill: one causal prompt
+of 4096 and of 16384 tokens, 32 / 8 heads.
+
+Contenders (CUDA-graph replay but FlashInfer fp8, whose run() does not capture: plain calls;
+inputs rotated so a cycle exceeds the L2):
+- attnlang bf16 cache, attnlang fp8 cache (per-head k_scale / v_scale device tensors);
+- FlashInfer 0.7.2 BatchDecodeWithPagedKVCacheWrapper, bf16 and fp8 caches (kv_data_type
+  torch.float8_e4m3fn, k_scale / v_scale floats; its fp8 module JIT-compiles with nvcc on
+  first use, or the row says why it is missing).
+
+Figures: median time; GB/s = the K and V bytes the batch must read (1 byte per element for
+fp8, 2 for bf16) / time, and that as a fraction of the copy bandwidth measured in the same
+run; fp8 / bf16 = bf16 time / fp8 time (the tokens/s gain); attnlang / FlashInfer likewise.
+Outputs are checked first against a float32 torch evaluation of the dequantised cache (rel.
+L2 error).
+
+Run from the repository root on the GPU machine:
+    python3 benchmarks/fp8_kv.py [--out $OUT] [--no-peers] [--only NAME,...]
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+try:
+    import common as C
+except ImportError:  # run as `python3 -m benchmarks.fp8_kv`
+    from benchmarks import common as C
+
+HQ, HKV, D, PAGE = 32, 8, 128, 16
+DECODE = {"b1_l32768": (1, 32768), "b16_l4096": (16, 4096), "b64_l2048": (64, 2048),
+          "b128_l2048": (128, 2048), "b32_l8192": (32, 8192), "mha_b32_l8192": (32, 8192)}
+PREFILL = {"prefill_s4096": 4096, "prefill_s16384": 16384}
+
+
+def make_caches(torch, num_pages: int, kv_heads: int, nsets: int, gen):
+    """nsets (k, v) pairs of bf16 caches and their fp8 versions, with one scale per tensor
+    (amax / 448, as FlashInfer and vLLM take it) given to attnlang as a per-head tensor."""
+    sets = []
+    for _ in range(nsets):
+        k = torch.randn(num_pages, PAGE, kv_heads, D, generator=gen, device="cuda",
+                        dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        pair = []
+        for x in (k, v):
+            amax = x.float().abs().amax()
+            scale = (amax / 448.0).expand(kv_heads).contiguous()
+            bits = (x.float() / scale[None, None, :, None]).to(torch.float8_e4m3fn)
+            pair.append((x, bits, scale))
+        sets.append(pair)
+    return sets
+
+
+CHECK_ROWS = 512  # prefill: the rows checked (the prompt's last ones)
+
+
+def reference(torch, q, k, v, lens, kv_indptr, kv_indices, causal: bool):
+    """float32 attention of q [T, HQ, D] over each request's pages (decode: one query per
+    request; prefill: one causal request, its last CHECK_ROWS queries)."""
+    outs = []
+    qo = 0
+    for b, n in enumerate(lens):
+        pages = torch.from_numpy(kv_indices[kv_indptr[b]:kv_indptr[b + 1]]).long().cuda()
+        kb = k[pages].reshape(-1, k.shape[2], D)[:n].float()
+        vb = v[pages].reshape(-1, v.shape[2], D)[:n].float()
+        rows = min(n, CHECK_ROWS) if causal else 1
+        qb = q[qo + (n - rows if causal else 0):qo + (n if causal else 1)].float()
+        qo += n if causal else 1
+        g = qb.shape[1] // kb.shape[1]
+        kb, vb = kb.repeat_interleave(g, 1), vb.repeat_interleave(g, 1)
+        s = torch.einsum("qhd,khd->hqk", qb, kb) / D**0.5
+        if causal:
+            s = s + torch.triu(torch.full((rows, n), float("-inf"), device="cuda"), n - rows + 1)
+        outs.append(torch.einsum("hqk,khd->qhd", s.softmax(-1), vb))
+    return torch.cat(outs)
+
+
+def main() -> int:
+    p = C.base_parser(__doc__.split("\n\n")[0], budget=420, max_seconds=4,
+                      names_help=f"Workloads: {', '.join([*DECODE, *PREFILL])}.")
+    args = p.parse_args()
+    torch = C.require_cuda()
+    al = C.import_attnlang()
+    reps, warmup = C.reps_and_warmup(args)
+    only = C.Only(args.only)
+    fi, fi_note = (None, "not asked") if args.no_peers else C.import_flashinfer()
+    C.log(fi_note)
+    copy_bw = C.copy_bandwidth()
+    C.log(f"copy bandwidth {copy_bw / 1e9:.0f} GB/s")
+    causal = al.load(C.REPO_ROOT / "examples" / "causal.attn")
+    rows, t0 = [], time.perf_counter()
+    gen = torch.Generator(device="cuda")
+    gen.manual_seed(0)
+
+    names = only.select([*DECODE, *PREFILL])
+    for name, spec in [*DECODE.items(), *PREFILL.items()]:
+        if name not in names:
+            continue
+        if time.perf_counter() - t0 > args.budget:
+            C.log(f"{name}: skipped (budget {args.budget:g} s spent)")
+            continue
+        prefill = name in PREFILL
+        kv_heads = HQ if name.startswith("mha") else HKV
+        if prefill:
+            batch, lens = 1, np.array([spec])
+        else:
+            batch, n = spec
+            lens = np.full(batch, n)
+        pages = -(-lens // PAGE)
+        kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+        num_pages = int(kv_indptr[-1])
+        kv_indices = np.random.default_rng(1).permutation(num_pages).astype(np.int32)
+        last = (lens - (pages - 1) * PAGE).astype(np.int32)
+        total_q = int(lens.sum()) if prefill else batch
+        qo_indptr = (np.array([0, total_q]) if prefill else np.arange(batch + 1)).astype(np.int32)
+        bf16_bytes = int(lens.sum()) * kv_heads * D * 2 * 2
+        nsets = 1 if prefill else C.rotation_sets(bf16_bytes // 2)
+        sets = make_caches(torch, num_pages, kv_heads, nsets, gen)
+        qs = [torch.randn(total_q, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+              for _ in range(nsets)]
+        C.log(f"{name}: {int(lens.sum())} tokens, {nsets} input set(s)")
+        (k0, k8, ks), (v0, v8, vs) = sets[0]
+        ref_bf16 = reference(torch, qs[0], k0, v0, lens, kv_indptr, kv_indices, prefill)
+        ref_fp8 = reference(torch, qs[0], k8.float() * ks[None, None, :, None],
+                            v8.float() * vs[None, None, :, None], lens, kv_indptr, kv_indices,
+                            prefill)
+        row = {"workload": name}
+        for kv in ("bf16", "fp8"):
+            attn = al.BatchAttention(causal, HQ, kv_heads, D, page_size=PAGE,
+                                     kv_dtype=None if kv == "bf16" else "fp8",
+                                     max_batch_size=batch, max_total_q=total_q,
+                                     max_kv_indices=num_pages)
+            attn.plan(qo_indptr, kv_indptr, kv_indices, last)
+            outs = [torch.empty_like(q) for q in qs]
+
+            def call(i, attn=attn, kv=kv, outs=outs, sets=sets, qs=qs):
+                (k, kb, ksc), (v, vb, vsc) = sets[i]
+                if kv == "bf16":
+                    return lambda: attn.run(qs[i], (k, v), out=outs[i])
+                return lambda: attn.run(qs[i], (kb, vb), out=outs[i], k_scale=ksc, v_scale=vsc)
+
+            fns = [call(i) for i in range(nsets)]
+            fns[0]()
+            err = C.rel_l2(outs[0][-len(ref_bf16):], ref_bf16 if kv == "bf16" else ref_fp8)
+            t = float(C.bench_graph(fns, warmup=warmup, reps=reps, max_seconds=args.max_seconds))
+            row[f"al_{kv}_ms"], row[f"al_{kv}_err"] = t * 1e3, err
+            C.log(f"  attnlang {kv}: {t * 1e3:.3f} ms, err {err:.1e}")
+            del attn
+        if fi is not None and not prefill and kv_heads == HKV:
+            for kv in ("bf16", "fp8"):
+                try:
+                    ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+                    i32 = dict(dtype=torch.int32, device="cuda")
+                    w = fi.BatchDecodeWithPagedKVCacheWrapper(
+                        ws, "NHD", use_cuda_graph=True,
+                        paged_kv_indptr_buffer=torch.empty(batch + 1, **i32),
+                        paged_kv_indices_buffer=torch.empty(num_pages, **i32),
+                        paged_kv_last_page_len_buffer=torch.empty(batch, **i32))
+                    w.plan(torch.from_numpy(kv_indptr), torch.from_numpy(kv_indices),
+                           torch.from_numpy(last), HQ, kv_heads, D, PAGE,
+                           q_data_type=torch.bfloat16,
+                           kv_data_type=torch.bfloat16 if kv == "bf16" else torch.float8_e4m3fn)
+                    outs = [torch.empty_like(q) for q in qs]
+
+                    def fcall(i, w=w, kv=kv, outs=outs, sets=sets, qs=qs):
+                        (k, kb, ksc), (v, vb, vsc) = sets[i]
+                        if kv == "bf16":
+                            return lambda: w.run(qs[i], (k, v), out=outs[i])
+                        # FlashInfer takes one float per tensor (the heads' scales are one)
+                        return lambda: w.run(qs[i], (kb, vb), out=outs[i],
+                                             k_scale=float(ksc[0]), v_scale=float(vsc[0]))
+
+                    fns = [fcall(i) for i in range(nsets)]
+                    fns[0]()
+                    err = C.rel_l2(outs[0], ref_bf16 if kv == "bf16" else ref_fp8)
+                    # Its fp8 run() does not capture (host work per call): plain calls, which
+                    # for a decode step of this size are host-bound only if slower than the GPU.
+                    bench = C.bench_graph if kv == "bf16" else C.bench
+                    t = float(bench(fns, warmup=warmup, reps=reps, max_seconds=args.max_seconds))
+                    row[f"fi_{kv}_ms"], row[f"fi_{kv}_err"] = t * 1e3, err
+                    C.log(f"  flashinfer {kv}: {t * 1e3:.3f} ms")
+                except Exception as e:  # noqa: BLE001 - a peer's failure is a row note
+                    row[f"fi_{kv}_note"] = C.short_error(e)
+                    C.log(f"  flashinfer {kv} failed: {C.short_error(e)}")
+        for kv, width in (("bf16", 2), ("fp8", 1)):
+            for who in ("al", "fi"):
+                ms = row.get(f"{who}_{kv}_ms")
+                if ms:
+                    gbs = bf16_bytes / 2 * width / (ms * 1e-3)
+                    row[f"{who}_{kv}_gbs"] = gbs / 1e9
+                    row[f"{who}_{kv}_frac"] = gbs / copy_bw
+        rows.append(row)
+        del sets, qs
+        torch.cuda.empty_cache()
+
+    table = []
+    for r in rows:
+        def cell(key, spec=".3f", r=r):
+            return C.fmt(r.get(key), spec)
+        table.append(dict(
+            workload=r["workload"], al_bf16=cell("al_bf16_ms"), al_fp8=cell("al_fp8_ms"),
+            gbs=cell("al_fp8_gbs", ".0f"), frac=C.fmt(100 * r["al_fp8_frac"], ".0f") + "%"
+            if r.get("al_fp8_frac") else "-",
+            gain=C.fmt(C.ratio(r.get("al_bf16_ms"), r.get("al_fp8_ms")), ".2f"),
+            fi_fp8=cell("fi_fp8_ms") + ("" if r.get("fi_fp8_err") is None
+                                        else f" ({C.err_cell(r['fi_fp8_err'])})"),
+            fi_bf16=cell("fi_bf16_ms"),
+            vs_fi=C.fmt(C.ratio(r.get("fi_fp8_ms"), r.get("al_fp8_ms")), ".2f"),
+            err=f"{C.err_cell(r.get('al_fp8_err'))} / {C.err_cell(r.get('al_bf16_err'))}",
+            note=r.get("fi_fp8_note", "")[:60]))
+    cols = [("workload", "workload"), ("al_bf16", "al bf16 ms"), ("al_fp8", "al fp8 ms"),
+            ("gbs", "al fp8 GB/s"), ("frac", "of copy"), ("gain", "fp8/bf16"),
+            ("fi_bf16", "FI bf16 ms"), ("fi_fp8", "FI fp8 ms (err, plain)"),
+            ("vs_fi", "al/FI fp8"),
+            ("err", "err fp8 / bf16"), ("note", "note")]
+    print(C.format_table(table, cols, title=f"fp8 KV cache (copy {copy_bw / 1e9:.0f} GB/s; "
+                                             "CUDA-graph replay)"))
+    if args.out:
+        import json
+        from pathlib import Path
+
+        out = Path(args.out)
+        path = out / "fp8_kv.json" if out.suffix != ".json" else out
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(rows, indent=1, default=float))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

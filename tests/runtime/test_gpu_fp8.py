@@ -1,0 +1,238 @@
+"""An fp8 (e4m3) KV cache through BatchAttention(kv_dtype="fp8"), against the NumPy reference
+on the dequantised values (attnlang.fp8.from_e4m3(bits) * scale of the KV head).
+
+Both kernels and every path: decode steps of MHA (the CUDA-core decode kernel) and of GQA
+groups of 4 and 8 (the prefill kernel: wgmma with its producer warpgroup at head dims 128 and
+256 on the H100, without one at 64), prompts and chunked prefill, split requests through the
+merge kernel; variants with key / value hooks (the hooks see dequantised values), masks,
+logits terms; scales as floats and as per-head device arrays, torch float8_e4m3fn tensors
+and CuPy uint8 bits; CUDA-graph capture; the errors for what is not allowed.
+
+Tolerance: the output dtype's (LANGUAGE.md section 7), as the bf16 tests.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import attnlang
+from attnlang.fp8 import from_e4m3, to_e4m3
+from attnlang.reference import attention_paged
+from attnlang.runtime.arrays import round_to_dtype
+from tests.runtime.test_gpu_attention import (
+    SHORT,
+    TOLERANCE,
+    VARIANT_PATHS,
+    check_lse,
+    from_device,
+    make_batch,
+    make_params,
+    poisoned,
+    rel_l2,
+    split_params,
+    to_device,
+)
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def cp():
+    import cupy
+
+    return cupy
+
+
+def quantize(rng, batch, num_kv_heads: int):
+    """The batch's K and V as e4m3 bytes over a scale per KV head near amax / 448 (as a cache
+    writer picks it), and the values the kernels see."""
+    out = []
+    for cache in (batch.k_cache, batch.v_cache):
+        amax = np.abs(cache).reshape(-1, num_kv_heads, cache.shape[-1]).max(axis=(0, 2))
+        scale = (amax / 448.0 * rng.uniform(1.0, 1.5, num_kv_heads)).astype(np.float32)
+        bits = to_e4m3(cache / scale[None, None, :, None])
+        out.append((bits, from_e4m3(bits) * scale[None, None, :, None], scale))
+    return out
+
+
+def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
+            seed, error_log, where, scales="tensor", arrays="cupy", kv_chunk_size=None,
+            head_dim_vo=None, expect=None):
+    rng = np.random.default_rng(seed)
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    qo, kv = np.asarray(qo), np.asarray(kv)
+    batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
+                       head_dim_vo)
+    (k_bits, k_seen, k_scale), (v_bits, v_seen, v_scale) = quantize(rng, batch, num_kv_heads)
+    params = make_params(variant, rng, qo, kv, num_qo_heads, num_kv_heads, head_dim,
+                         head_dim_vo)
+    ref_o, ref_lse = attention_paged(variant, batch.q, k_seen, v_seen, *batch.table,
+                                     params=params)
+    extra = {}
+    if kv_chunk_size is not None:
+        extra = dict(max_work_items=1 << 16, max_partial_rows=1 << 18, max_merge_rows=1 << 17)
+    attn = attnlang.BatchAttention(variant, num_qo_heads, num_kv_heads, head_dim, dtype=dtype,
+                                   page_size=page_size, head_dim_vo=head_dim_vo, kv_dtype="fp8",
+                                   max_batch_size=max(4, len(qo)),
+                                   max_total_q=max(16, int(qo.sum())),
+                                   max_kv_indices=max(1 << 12, len(batch.kv_indices)), **extra)
+    plan_params, params = split_params(variant, params)
+    plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size, params=plan_params)
+    if expect is not None:
+        assert (plan.decode.num_work_items > 0, plan.prefill.num_work_items > 0) == expect
+    q = to_device(cp, batch.q, dtype)
+    if arrays == "torch":
+        import torch
+
+        kc = torch.from_dlpack(cp.asarray(k_bits)).view(torch.float8_e4m3fn)
+        vc = torch.from_dlpack(cp.asarray(v_bits)).view(torch.float8_e4m3fn)
+        q = torch.from_dlpack(q)
+        if dtype == "bfloat16":
+            q = q.view(torch.bfloat16)
+        ks, vs = torch.from_dlpack(cp.asarray(k_scale)), torch.from_dlpack(cp.asarray(v_scale))
+    else:
+        kc, vc = cp.asarray(k_bits), cp.asarray(v_bits)
+        ks, vs = cp.asarray(k_scale), cp.asarray(v_scale)
+    if scales == "float":  # one scale for the tensor: the reference's per head, all alike
+        ks, vs = float(k_scale[0]), float(v_scale[0])
+        assert np.all(k_scale == k_scale[0]) and np.all(v_scale == v_scale[0])
+    out = poisoned(cp, batch.q.shape[:2] + (v_bits.shape[3],), dtype)
+    if arrays == "torch":
+        out = torch.from_dlpack(out)
+        if dtype == "bfloat16":
+            out = out.view(torch.bfloat16)
+    got, lse = attn.run(q, (kc, vc), params, out=out, return_lse=True, k_scale=ks, v_scale=vs)
+    if arrays == "torch":
+        got = cp.from_dlpack(got.view(torch.uint16) if dtype == "bfloat16" else got)
+        lse = cp.from_dlpack(lse)
+    got_host = from_device(cp, got, dtype)
+    assert not np.isnan(got_host).any(), "rows left unwritten (still NaN)"
+    err = rel_l2(got_host, ref_o)
+    error_log(dtype, err, where)
+    assert err <= TOLERANCE[dtype], f"relative L2 error {err:.2e}"
+    if variant.softmax:
+        check_lse(cp.asnumpy(lse), ref_lse)
+    return plan
+
+
+# (variant, dtype, head_dim, page_size, group, shape): decode steps (qo 1), prompts, chunks.
+_CASES = [
+    ("causal", "bfloat16", 128, 16, 1, "decode"),
+    ("causal", "bfloat16", 128, 16, 4, "decode"),
+    ("causal", "float16", 256, 64, 8, "decode"),
+    ("causal", "bfloat16", 64, 1, 4, "decode"),
+    ("causal", "bfloat16", 128, 16, 4, "prefill"),
+    ("causal", "float16", 64, 16, 1, "prefill"),
+    ("causal", "bfloat16", 256, 16, 2, "prefill"),
+    ("qk_norm", "bfloat16", 128, 16, 4, "prefill"),
+    ("qk_norm", "float16", 128, 16, 1, "decode"),
+    ("gptj_rope", "bfloat16", 256, 64, 4, "chunk"),
+    ("softcap", "float16", 128, 1, 8, "chunk"),
+    ("alibi", "bfloat16", 64, 16, 4, "prefill"),
+    ("t5_bias", "bfloat16", 128, 16, 4, "prefill"),
+    ("sliding_window", "bfloat16", 128, 16, 4, "chunk"),
+    ("kitchen_sink", "bfloat16", 128, 16, 2, "prefill"),
+    ("kitchen_sink", "float16", 128, 16, 1, "decode"),
+]
+_LENGTHS = {"decode": ([1, 1, 1], [777, 1500, 33]), "prefill": ([300, 517], [300, 517]),
+            "chunk": ([70, 129], [900, 400])}
+
+
+@pytest.mark.parametrize("variant_id, dtype, head_dim, page_size, group, shape", _CASES,
+                         ids=[f"{v}-{SHORT[d]}-d{h}-p{p}-g{g}-{s}" for v, d, h, p, g, s in _CASES])
+def test_fp8_cache(cp, error_log, variant_id, dtype, head_dim, page_size, group, shape):
+    qo, kv = _LENGTHS[shape]
+    seed = 7000 + _CASES.index((variant_id, dtype, head_dim, page_size, group, shape))
+    run_fp8(cp, variant_id, qo, kv, num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+            dtype=dtype, page_size=page_size, seed=seed, error_log=error_log,
+            where=f"fp8 {variant_id} {shape} d{head_dim} p{page_size} g{group}")
+
+
+@pytest.mark.parametrize("arrays", ["cupy", "torch"])
+def test_fp8_split_and_merged(cp, error_log, arrays):
+    # split requests in both kernels (MHA decode and GQA prefill), torch fp8 tensors
+    if arrays == "torch":
+        pytest.importorskip("torch")
+    for group, expect in ((1, (True, False)), (4, (False, True))):
+        run_fp8(cp, "causal", [1, 1, 40], [2000, 700, 900], num_qo_heads=2 * group,
+                num_kv_heads=2, head_dim=128, dtype="bfloat16", page_size=16, seed=71,
+                error_log=error_log, where=f"fp8 split g{group}", kv_chunk_size=256,
+                arrays=arrays, expect=None if group == 1 else expect)
+
+
+def test_fp8_float_scales(cp, error_log):
+    # one float per tensor (one KV head, so the batch's per-head scale is one value)
+    for group in (1, 4):
+        run_fp8(cp, "softcap", [1, 200], [600, 700], num_qo_heads=group, num_kv_heads=1,
+                head_dim=128, dtype="bfloat16", page_size=16, seed=72, error_log=error_log,
+                where=f"fp8 float scales g{group}", scales="float")
+
+
+def test_fp8_errors(cp):
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    attn = attnlang.BatchAttention(variant, 4, 2, 64, kv_dtype="fp8", max_batch_size=2,
+                                   max_total_q=16)
+    attn.plan(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([5]))
+    q = cp.zeros((1, 4, 64), dtype=np.uint16)
+    kc = cp.zeros((1, 16, 2, 64), dtype=np.uint8)
+    with pytest.raises(TypeError, match="needs k_scale and v_scale"):
+        attn.run(q, (kc, kc))
+    with pytest.raises(TypeError, match="float8_e4m3fn"):
+        attn.run(q, (kc.view(np.int8), kc.view(np.int8)), k_scale=1.0, v_scale=1.0)
+    with pytest.raises(TypeError, match="only the KV cache may be fp8"):
+        attn.run(cp.zeros((1, 4, 64), dtype=np.uint8), (kc, kc), k_scale=1.0, v_scale=1.0)
+    with pytest.raises((TypeError, ValueError), match="k_scale"):
+        attn.run(q, (kc, kc), k_scale=cp.ones(3, np.float32), v_scale=1.0)
+    bf16 = attnlang.BatchAttention(variant, 4, 2, 64, max_batch_size=2, max_total_q=16)
+    bf16.plan(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([5]))
+    with pytest.raises(TypeError, match="kv_dtype='fp8'"):
+        bf16.run(q, (kc, kc))
+    with pytest.raises(TypeError, match="for an fp8 KV cache"):
+        bf16.run(q, (cp.zeros((1, 16, 2, 64), np.uint16),) * 2, k_scale=1.0, v_scale=1.0)
+
+
+def test_fp8_cuda_graph(cp):
+    # capture with device scales; replay after new scale values and a new plan
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    rng = np.random.default_rng(73)
+    hq, hkv, d, page = 8, 2, 128, 16
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=4,
+                                   max_total_q=64)
+    pages = 64
+    k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
+    v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
+    kc, vc = cp.asarray(k_bits), cp.asarray(v_bits)
+    q_host = rng.standard_normal((4, hq, d)).astype(np.float32)
+    q = to_device(cp, q_host, "bfloat16")
+    ks, vs = cp.full(hkv, 0.02, np.float32), cp.full(hkv, 0.03, np.float32)
+    out = cp.zeros((4, hq, d), np.uint16)
+
+    def table(lengths):
+        n = [-(-x // page) for x in lengths]
+        indptr = np.concatenate([[0], np.cumsum(n)])
+        indices = rng.permutation(pages)[:indptr[-1]]
+        last = np.array([x - (m - 1) * page for x, m in zip(lengths, n, strict=True)])
+        return np.arange(5)[:len(lengths) + 1], indptr, indices, last
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    tab = table([100, 300, 17, 250])
+    attn.plan(*tab)
+    with stream:
+        attn.run(q, (kc, vc), out=out, k_scale=ks, v_scale=vs)  # warm up
+        stream.begin_capture()
+        attn.run(q, (kc, vc), out=out, k_scale=ks, v_scale=vs)
+        graph = stream.end_capture()
+    for lengths, k_s, v_s in (([500, 40, 260, 90], 0.01, 0.05), ([64, 64, 800, 3], 0.04, 0.02)):
+        tab = table(lengths)
+        attn.plan(*tab)
+        ks.fill(k_s)
+        vs.fill(v_s)
+        with stream:
+            graph.launch()
+        stream.synchronize()
+        seen_k = from_e4m3(k_bits) * k_s
+        seen_v = from_e4m3(v_bits) * v_s
+        ref, _ = attention_paged(variant, round_to_dtype(q_host, "bfloat16"), seen_k, seen_v,
+                                 *tab)
+        assert rel_l2(from_device(cp, out, "bfloat16"), ref) <= TOLERANCE["bfloat16"]
