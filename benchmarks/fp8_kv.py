@@ -9,7 +9,9 @@ of 4096 and of 16384 tokens, 32 / 8 heads.
 
 Contenders (CUDA-graph replay but FlashInfer fp8, whose run() does not capture: plain calls;
 inputs rotated so a cycle exceeds the L2):
-- attnlang bf16 cache, attnlang fp8 cache (per-head k_scale / v_scale device tensors);
+- attnlang bf16 cache, attnlang fp8 cache (per-head k_scale / v_scale device tensors), and
+  for the GQA decode steps the fp8 cache in the CUDA-core decode kernel too
+  (prefill_min_rows=8; by default a group of 4 decodes in the tensor-core kernel);
 - FlashInfer 0.7.2 BatchDecodeWithPagedKVCacheWrapper, bf16 and fp8 caches (kv_data_type
   torch.float8_e4m3fn, k_scale / v_scale floats; its fp8 module JIT-compiles with nvcc on
   first use, or the row says why it is missing).
@@ -36,6 +38,7 @@ except ImportError:  # run as `python3 -m benchmarks.fp8_kv`
     from benchmarks import common as C
 
 HQ, HKV, D, PAGE = 32, 8, 128, 16
+GROUP = HQ // HKV
 DECODE = {"b1_l32768": (1, 32768), "b16_l4096": (16, 4096), "b64_l2048": (64, 2048),
           "b128_l2048": (128, 2048), "b32_l8192": (32, 8192), "mha_b32_l8192": (32, 8192)}
 PREFILL = {"prefill_s4096": 4096, "prefill_s16384": 16384}
@@ -133,11 +136,15 @@ def main() -> int:
                             v8.float() * vs[None, None, :, None], lens, kv_indptr, kv_indices,
                             prefill)
         row = {"workload": name}
-        for kv in ("bf16", "fp8"):
+        # fp8_dk: a GQA decode step in the CUDA-core decode kernel (prefill_min_rows above
+        # its rows) instead of the tensor-core kernel that takes it by default
+        kinds = ["bf16", "fp8"] + (["fp8_dk"] if not prefill and kv_heads == HKV else [])
+        for kv in kinds:
+            extra = {"prefill_min_rows": 2 * GROUP} if kv == "fp8_dk" else {}
             attn = al.BatchAttention(causal, HQ, kv_heads, D, page_size=PAGE,
                                      kv_dtype=None if kv == "bf16" else "fp8",
                                      max_batch_size=batch, max_total_q=total_q,
-                                     max_kv_indices=num_pages)
+                                     max_kv_indices=num_pages, **extra)
             attn.plan(qo_indptr, kv_indptr, kv_indices, last)
             outs = [torch.empty_like(q) for q in qs]
 
@@ -210,6 +217,7 @@ def main() -> int:
             gbs=cell("al_fp8_gbs", ".0f"), frac=C.fmt(100 * r["al_fp8_frac"], ".0f") + "%"
             if r.get("al_fp8_frac") else "-",
             gain=C.fmt(C.ratio(r.get("al_bf16_ms"), r.get("al_fp8_ms")), ".2f"),
+            dk=cell("al_fp8_dk_ms"),
             fi_fp8=cell("fi_fp8_ms") + ("" if r.get("fi_fp8_err") is None
                                         else f" ({C.err_cell(r['fi_fp8_err'])})"),
             fi_bf16=cell("fi_bf16_ms"),
@@ -218,6 +226,7 @@ def main() -> int:
             note=r.get("fi_fp8_note", "")[:60]))
     cols = [("workload", "workload"), ("al_bf16", "al bf16 ms"), ("al_fp8", "al fp8 ms"),
             ("gbs", "al fp8 GB/s"), ("frac", "of copy"), ("gain", "fp8/bf16"),
+            ("dk", "al fp8 CUDA-core ms"),
             ("fi_bf16", "FI bf16 ms"), ("fi_fp8", "FI fp8 ms (err, plain)"),
             ("vs_fi", "al/FI fp8"),
             ("err", "err fp8 / bf16"), ("note", "note")]
