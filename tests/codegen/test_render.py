@@ -98,6 +98,30 @@ def test_argument_types():
     assert "constexpr int kHeadDim = 256;" in src
 
 
+def test_fp8_cache_arguments():
+    # An fp8 cache: e4m3 bytes for k/v, the scales as the last params, kv_scales reading them.
+    v = attnlang.ir.with_kv_scales(load(by_id("alibi")))
+    for kind in ("decode", "prefill"):
+        src = render(lower(v), kind, "bfloat16", 128, "sm_90a", None, "float8_e4m3fn")
+        args = entry_args(src, kind)
+        types = dict((n, t) for t, n in args)
+        assert types["k_cache"] == types["v_cache"] == "const unsigned char*"
+        assert types["q"] == "const __nv_bfloat16*" and types["out"] == "__nv_bfloat16*"
+        assert [n for _, n in args[-3:]] == ["param_slopes", "param_k_scale", "param_v_scale"]
+        assert "__ldg(p.u_k_scale + kv_head), __ldg(p.u_v_scale + kv_head)" in src
+        assert "using KvT = unsigned char;" in src
+    plain = render(lower(load(by_id("alibi"))), "decode", "bfloat16", 128)
+    assert "using KvT = __nv_bfloat16;" in plain and "make_float2(1.0f, 1.0f)" in plain
+
+
+def test_fp8_cache_render_errors():
+    hooks = lower(load(by_id("causal")))
+    with pytest.raises(ValueError, match=r"unsupported kv_dtype 'int8'"):
+        render(hooks, "decode", "bfloat16", 128, None, None, "int8")
+    with pytest.raises(ValueError, match=r"need the params k_scale, v_scale .*with_kv_scales"):
+        render(hooks, "decode", "bfloat16", 128, None, None, "float8_e4m3fn")
+
+
 def test_line_resets_number_the_generated_file():
     hooks = lower(load(by_id("softcap")))
     src = render(hooks, "decode", "bfloat16", 128)
