@@ -574,6 +574,8 @@ class BatchAttention:
                     "float32 device array, or run once with this value before capturing")
             with cupy.cuda.Device(self.device):
                 array = cupy.full(self.shape.num_kv_heads, value, dtype=np.float32)
+                # filled on CuPy's stream: done before any stream's kernel reads it
+                cupy.cuda.get_current_stream().synchronize()
             self._scales[value] = array
         return array
 
