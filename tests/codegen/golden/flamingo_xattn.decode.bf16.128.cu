@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1101,7 +1102,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/flamingo_xattn.attn"
   return ((attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192) != 0) && (attnlang::table_at(p.u_key_image, attnlang::Known{ix.batch}, 0, ix.kv_pos, 4096) == attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192)));
 }
-#line 1105 "flamingo_xattn_decode.cu"
+#line 1106 "flamingo_xattn_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1111,7 +1112,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/flamingo_xattn.attn"
   return tri_and(tri_ne(IvI::top(), IvI::point(0)), tri_eq(IvI::top(), IvI::top()));
 }
-#line 1115 "flamingo_xattn_decode.cu"
+#line 1116 "flamingo_xattn_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

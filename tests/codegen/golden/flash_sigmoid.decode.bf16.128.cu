@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1098,13 +1099,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 9 "examples/flash_sigmoid.attn"
   return attnlang::sigmoid((s + p.u_bias));
 }
-#line 1102 "flash_sigmoid_decode.cu"
+#line 1103 "flash_sigmoid_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/flash_sigmoid.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1108 "flash_sigmoid_decode.cu"
+#line 1109 "flash_sigmoid_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1114,7 +1115,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/flash_sigmoid.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1118 "flash_sigmoid_decode.cu"
+#line 1119 "flash_sigmoid_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1096,7 +1097,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) * (1.0f / 1.7320508075688772f));
   }
 }
-#line 1100 "kitchen_sink_decode.cu"
+#line 1101 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1143,19 +1144,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1147 "kitchen_sink_decode.cu"
+#line 1148 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) * (1.0f / 1.4142135623730951f)) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1153 "kitchen_sink_decode.cu"
+#line 1154 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1159 "kitchen_sink_decode.cu"
+#line 1160 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1178,14 +1179,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1182 "kitchen_sink_decode.cu"
+#line 1183 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1189 "kitchen_sink_decode.cu"
+#line 1190 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

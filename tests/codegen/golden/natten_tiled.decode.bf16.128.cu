@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1098,7 +1099,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 22 "examples/natten_tiled.attn"
   return ((((((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) >= attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57)) && (((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) < (attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57) + 7))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) >= attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) < (attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57) + 7)));
 }
-#line 1102 "natten_tiled_decode.cu"
+#line 1103 "natten_tiled_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1108,7 +1109,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 22 "examples/natten_tiled.attn"
   return tri_and(tri_and(tri_and(tri_ge(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57))), tri_lt(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7)))), tri_ge(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)))), tri_lt(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7))));
 }
-#line 1112 "natten_tiled_decode.cu"
+#line 1113 "natten_tiled_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

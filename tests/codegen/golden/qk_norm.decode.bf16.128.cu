@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1118,7 +1119,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1122 "qk_norm_decode.cu"
+#line 1123 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1152,7 +1153,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1156 "qk_norm_decode.cu"
+#line 1157 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1163,7 +1164,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/qk_norm.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1167 "qk_norm_decode.cu"
+#line 1168 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1173,7 +1174,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/qk_norm.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1177 "qk_norm_decode.cu"
+#line 1178 "qk_norm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

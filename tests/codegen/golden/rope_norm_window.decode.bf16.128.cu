@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1117,7 +1118,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1121 "rope_norm_window_decode.cu"
+#line 1122 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1150,7 +1151,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1154 "rope_norm_window_decode.cu"
+#line 1155 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1159,13 +1160,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1163 "rope_norm_window_decode.cu"
+#line 1164 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1169 "rope_norm_window_decode.cu"
+#line 1170 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1187,14 +1188,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1191 "rope_norm_window_decode.cu"
+#line 1192 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1198 "rope_norm_window_decode.cu"
+#line 1199 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1100,7 +1101,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_bit(p.u_allowed, ix, (ix.q_pos - (ix.kv_len - ix.qo_len)), ix.kv_pos);
 }
-#line 1104 "spec_tree_decode.cu"
+#line 1105 "spec_tree_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1110,7 +1111,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_tile(p.u_allowed, ix, q_lo - (ix.kv_len - ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi);
 }
-#line 1114 "spec_tree_decode.cu"
+#line 1115 "spec_tree_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1105,7 +1106,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1109 "streaming_llm_decode.cu"
+#line 1110 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1127,7 +1128,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1131 "streaming_llm_decode.cu"
+#line 1132 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1138,7 +1139,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "examples/streaming_llm.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.kv_pos < 4) || ((ix.q_pos - ix.kv_pos) < 1024)));
 }
-#line 1142 "streaming_llm_decode.cu"
+#line 1143 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1148,7 +1149,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 13 "examples/streaming_llm.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(4)), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(1024))));
 }
-#line 1152 "streaming_llm_decode.cu"
+#line 1153 "streaming_llm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -735,8 +735,9 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 }
 
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
-// values of T, times `scale`, in place. The thread that copied them converts them, so no
-// other thread's data is read or overwritten.
+// values of T, times `scale`, in place. Only the chunk itself is read and written, so
+// whoever converts a chunk (its copying thread, or one of the computing warps beside a
+// producer) needs no other thread's data.
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
@@ -1098,7 +1099,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 13 "examples/swin_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
 }
-#line 1102 "swin_bias_decode.cu"
+#line 1103 "swin_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) { return true; }  // identity
 
