@@ -110,14 +110,17 @@ def show(file, kind, dtype, head_dim, arch, kv_dtype):
 @click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default=None,
               help="The KV cache's element type [default: the dtype]; fp8: float8 e4m3, "
                    "dequantised with the run-time params k_scale and v_scale.")
+@click.option("--cascade", is_flag=True,
+              help="Also compile the cascade kernel (shared-prefix levels, "
+                   "BatchAttention(..., cascade=True)).")
 @click.option("-o", "--output", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Also write a self-contained compiled module (cubins + manifest.json) here; "
                    "one subdirectory per dtype/head-dim when several are asked for.")
-def compile(file, head_dims, dtypes, arch, kv_dtype, out_dir):  # noqa: A001 - the command's name
+def compile(file, head_dims, dtypes, arch, kv_dtype, cascade, out_dir):  # noqa: A001 - the command's name
     """Compile every kernel of FILE with NVRTC (no GPU needed); print a table per kernel."""
     from attnlang.codegen.config import launch_config
     from attnlang.runtime.compiler import CompileError
-    from attnlang.runtime.module import compile_variant
+    from attnlang.runtime.module import ALL_KINDS, KINDS, compile_variant
 
     v = _load(file)
     combos = [(DTYPES[d], h) for d in (dtypes or ("bf16",)) for h in (head_dims or ("128",))]
@@ -127,7 +130,8 @@ def compile(file, head_dims, dtypes, arch, kv_dtype, out_dir):  # noqa: A001 - t
         head_dim, head_dim_vo = _head_dims(dims)
         try:
             km = compile_variant(v, head_dim=head_dim, dtype=dtype, arch=arch,
-                                 head_dim_vo=head_dim_vo, kv_dtype=_kv_dtype(kv_dtype, dtype))
+                                 head_dim_vo=head_dim_vo, kv_dtype=_kv_dtype(kv_dtype, dtype),
+                                 kinds=ALL_KINDS if cascade else KINDS)
         except (CompileError, ValueError, RuntimeError) as e:
             click.echo(f"attnlang: error: {e}", err=True)
             sys.exit(1)

@@ -19,15 +19,16 @@ struct TileSpan {
   int q_lo, q_hi;  // positions of the CTA's first and last query
 };
 
-// The item's KV range and the positions of its first and last query (for mask_tile).
+// The item's KV range and the positions of its first and last query (for mask_tile; a
+// cascade item's rows are several requests': the lowest and highest q_pos among them).
 __device__ __forceinline__ TileSpan item_span(const WorkItem& w, const int group) {
   const int q_pos0 = w.kv_len - w.qo_len;  // q_pos of query 0
   TileSpan span;
   span.kv_start = w.kv_start;
   span.kv_end = w.kv_end;
   span.num_tiles = w.kv_end > w.kv_start ? ceil_div(w.kv_end - w.kv_start, kTileKeys) : 0;
-  span.q_lo = q_pos0 + w.row_start / group;
-  span.q_hi = q_pos0 + (w.row_start + w.rows - 1) / group;
+  span.q_lo = kCascade ? w.q_lo : q_pos0 + w.row_start / group;
+  span.q_hi = kCascade ? w.q_hi : q_pos0 + (w.row_start + w.rows - 1) / group;
   return span;
 }
 
@@ -50,7 +51,7 @@ __device__ __forceinline__ int classify_tile(const TileSpan& span, const int t, 
   const int kv_lo = span.kv_start + t * kTileKeys;
   const bool runs_past_end = kv_lo + kTileKeys > span.kv_end;
   const int kv_hi = (runs_past_end ? span.kv_end : kv_lo + kTileKeys) - 1;
-  const int cls = variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
+  const int cls = tile_mask(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
   return (cls == 2 && runs_past_end) ? 1 : cls;
 }
 
@@ -270,7 +271,8 @@ __device__ __forceinline__ void produce_tiles(
     const int* work_kv_start, const int* work_kv_end, const int* work_partial,
     const int* qo_indptr, const int* kv_indptr, const int* kv_last_page_len,
     const int num_heads, const int num_kv_heads, const int page_size, const float sm_scale,
-    const variant::Params& params, const unsigned k_smem, const unsigned v_smem,
+    const variant::Params& params, const Cascade& cascade, const unsigned k_smem,
+    const unsigned v_smem,
     const unsigned full_bar, const unsigned k_empty_bar, const unsigned v_empty_bar,
     const int ptid) {
   const int lane = ptid & 31;
@@ -286,7 +288,7 @@ __device__ __forceinline__ void produce_tiles(
     if (item > first_item) named_sync(kItemBarrier, kThreads + kProducerThreads);
     const WorkItem w = read_work_item(item, work_request, work_kv_head, work_row_start,
                                       work_kv_start, work_kv_end, work_partial, qo_indptr,
-                                      kv_indptr, kv_last_page_len, page_size, group);
+                                      kv_indptr, kv_last_page_len, page_size, group, cascade);
     const TileSpan span = item_span(w, group);
     const Index tile_ix = tile_index(w, num_heads, num_kv_heads, sm_scale, params);
     const KvT* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;

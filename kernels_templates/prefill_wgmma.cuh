@@ -117,7 +117,7 @@ __device__ __forceinline__ int refine_class(const bool cta_full, const int kv_lo
   if (cta_full) return 2;
   const bool runs_past_end = kv_lo + kSubKeys > kv_end;
   const int kv_hi = (runs_past_end ? kv_end : kv_lo + kSubKeys) - 1;
-  const int cls = variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
+  const int cls = tile_mask(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
   return (cls == 2 && runs_past_end) ? 1 : cls;
 }
 
@@ -135,8 +135,7 @@ __device__ __forceinline__ bool refine_columns(unsigned& columns, const int kv_l
   for (int i = 0; i < kSubKeys / 32; ++i) {
     const int lo = kv_lo + 32 * i;
     if (lo >= kv_end) break;
-    const int cls = variant::mask_tile(q_lo, q_hi, lo, imin(lo + 32, kv_end) - 1, params,
-                                       tile_ix);
+    const int cls = tile_mask(q_lo, q_hi, lo, imin(lo + 32, kv_end) - 1, params, tile_ix);
     if (cls == 1) return false;
     columns |= static_cast<unsigned>(cls == 2) << i;
   }

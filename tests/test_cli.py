@@ -71,6 +71,21 @@ def test_compile_an_fp8_cache_module(cli, tmp_path):
     assert [p["name"] for p in manifest["variant"]["params"]] == ["cap", "k_scale", "v_scale"]
 
 
+def test_compile_a_cascade_module(cli, tmp_path):
+    pytest.importorskip("cupy")
+    r = _run_cli("compile", SOFTCAP, "--arch", "sm_90a", "--cascade", "-o", str(tmp_path / "m"),
+                 cache=tmp_path / "cache")
+    assert r.returncode == 0, r.stderr
+    kinds = [ln.split()[0] for ln in r.stdout.splitlines()
+             if ln.startswith(("decode", "prefill", "merge", "cascade"))]
+    assert kinds == ["decode", "prefill", "merge", "cascade"]
+    manifest = json.loads((tmp_path / "m" / "manifest.json").read_text())
+    assert manifest["kinds"] == ["decode", "prefill", "merge", "cascade"]
+    from attnlang import load_compiled
+
+    assert "cascade" in load_compiled(tmp_path / "m").kinds
+
+
 def _run_cli(*args, cache):
     """The CLI in a fresh process, as a user runs it (each run has its own memory cache)."""
     env = dict(os.environ, ATTNLANG_CACHE_DIR=str(cache), ATTNLANG_QUIET="1")

@@ -48,7 +48,9 @@ __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "HEAD_DIM_PAIRS", "TemplateShape", "L
            "template_shape", "launch_config", "dtype_ctype", "uses_wgmma", "check_head_dims",
            "STATIC_SMEM_LIMIT", "DISTANCE_TABLE_BYTES"]
 
-KINDS = ("decode", "prefill", "merge")
+# "cascade": the prefill kernel for a shared-prefix level (its items span several requests'
+# rows), compiled only where a BatchAttention plans cascades; its shape is prefill's.
+KINDS = ("decode", "prefill", "merge", "cascade")
 # dtype name -> (C type, bytes)
 DTYPES = {"float16": ("half", 2), "bfloat16": ("__nv_bfloat16", 2)}
 # A KV cache of float8 e4m3 (OCP e4m3fn) beside q and out of a DTYPES type: the kernels copy
@@ -227,7 +229,8 @@ def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | No
     """True when `kind` at head_dim compiled for `arch` takes the wgmma path (prefill on
     sm_90a at head_dim 64, 128 and 192/128; the pair is checked by template_shape).
     ``uses_wgmma("prefill", 128, "sm_90a")`` -> True."""
-    return kind == "prefill" and arch in _WGMMA_ARCHS and head_dim in _PREFILL_WGMMA_SHAPE
+    return (kind in ("prefill", "cascade") and arch in _WGMMA_ARCHS
+            and head_dim in _PREFILL_WGMMA_SHAPE)
 
 
 def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None,
@@ -246,7 +249,7 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
     # Both vectors over the same TX lanes, whole 16-byte chunks per lane.
     tx = math.gcd(head_dim, head_dim_vo) // chunk_elems
     vec, vec_vo = head_dim // tx, head_dim_vo // tx
-    if kind == "prefill":
+    if kind in ("prefill", "cascade"):
         wgmma = uses_wgmma(kind, head_dim, arch, head_dim_vo)
         table = _PREFILL_WGMMA_SHAPE if wgmma else _PREFILL_SHAPE
         kv_tile, stages, warps, row_blocks, min_blocks = table[head_dim]
@@ -309,7 +312,7 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     if kind == "merge":
         rows = shape.max_threads // shape.tx
         return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
-    if kind == "prefill":
+    if kind in ("prefill", "cascade"):
         stages = shape.kv_tile * (shape.key_stages * head_dim + shape.stages * head_dim_vo) * size
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         return LaunchConfig((shape.block_threads, 1, 1), rows,

@@ -44,6 +44,7 @@ from attnlang.codegen.c_expr import (
     expr_c,
     literal,
     member_name,
+    reads,
     span_c,
     table_c,
     uses_dim,
@@ -52,7 +53,7 @@ from attnlang.codegen.distance_terms import lower_distance
 from attnlang.codegen.mask_tiles import lower_mask_tile
 from attnlang.codegen.tile_uniform import lower_uniform
 
-__all__ = ["Hooks", "KernelParam", "lower", "LINE_RESET", "expr_c"]
+__all__ = ["Hooks", "KernelParam", "lower", "LINE_RESET", "expr_c", "reads_request"]
 
 # A line render() replaces by `#line <n> "<generated file>"`: after a hook whose statements
 # carried `#line` directives into the .attn file, errors point back into the generated code.
@@ -122,6 +123,10 @@ class Hooks:
     has_output: bool
     softmax: bool
     stage_lines: tuple[tuple[str, int], ...]
+    # The key or value hook reads its request (batch, qo_len, kv_len): keys shared by several
+    # requests (a cascade's shared prefix) are then not one tensor, and the cascade kernel
+    # is refused.
+    kv_reads_request: bool = False
 
     @property
     def source(self) -> str:
@@ -358,7 +363,9 @@ def lower(variant: ir.Variant) -> Hooks:
     pairs = [p for p in variant.params if p.is_pair]
     flags = "\n".join([flag(flag_names[s], has[s]) for s in ir.STAGES]
                       + [flag("kSoftmax", variant.softmax),
-                         flag("kPairWindow", len(pairs) == 1)])
+                         flag("kPairWindow", len(pairs) == 1),
+                         flag("kMaskReadsRequest", reads_request(variant.mask)),
+                         flag("kLogitsReadsRequest", reads_request(variant.logits))])
 
     fns: dict[str, str] = {}
     stage_lines = []
@@ -395,4 +402,15 @@ def lower(variant: ir.Variant) -> Hooks:
         has_logits=has["logits"], has_mask=has["mask"], has_output=has["output"],
         softmax=variant.softmax,
         stage_lines=tuple(stage_lines),
+        kv_reads_request=reads_request(variant.key) or reads_request(variant.value),
     )
+
+
+# What differs between the requests of a cascade item's rows (q_row reads qo_len, kv_len).
+_REQUEST_VARS = frozenset({"batch", "qo_len", "kv_len", "q_row"})
+
+
+def reads_request(e: ir.Expr | None) -> bool:
+    """Does the stage read its request's index or lengths (a per-pair mask's row too)? The
+    cascade kernel's rows span requests, so its per-tile work cannot assume one request."""
+    return e is not None and reads(e, lambda x: isinstance(x, ir.Var) and x.name in _REQUEST_VARS)

@@ -183,6 +183,12 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
     """
     shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo)
     kv_ctype, kv_source = _kv_source(hooks, kv_dtype, dtype)
+    cascade = kind == "cascade"
+    if cascade and hooks.kv_reads_request:
+        raise ValueError(
+            f"variant {hooks.variant!r} has no cascade kernel: its key or value hook reads "
+            "`batch`, `qo_len` or `kv_len`, so the keys of a prefix shared by several "
+            "requests differ per request; plan without cascade")
     return {
         "variant_name": hooks.variant,
         "dtype": dtype,
@@ -206,7 +212,13 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
         "producer_threads": shape.producer_threads,
         "barrier_bytes": config.PIPELINE_BARRIER_BYTES if shape.producer_threads else 0,
         "wgmma": "true" if shape.wgmma else "false",
-        "wgmma_source": _wgmma_source(shape) if kind == "prefill" else "",
+        "wgmma_source": _wgmma_source(shape) if kind in ("prefill", "cascade") else "",
+        # The cascade kernel (prefill.cu.j2 with kCascade): two more plan arrays.
+        "entry": kind,  # the extern "C" name: the kind's
+        "cascade": "true" if cascade else "false",
+        "cascade_args": ("\n        const int* __restrict__ cascade_item,"
+                         "\n        const int* __restrict__ token_request," if cascade else ""),
+        "cascade_init": "cascade_item, token_request" if cascade else "nullptr, nullptr",
         "hooks_source": _header("mask_tiles.cuh") + "\n" + hooks.source,
         "variant_params": hooks.kernel_params_decl,
         "params_init": hooks.params_init,
@@ -242,5 +254,6 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None 
         'extern "C" __global__' in src   # True
     """
     ctx = context(hooks, kind, dtype, head_dim, arch, head_dim_vo, kv_dtype)
-    text = environment().get_template(f"{kind}.cu.j2").render(**ctx)
+    template = "prefill" if kind == "cascade" else kind  # prefill.cu.j2 with kCascade
+    text = environment().get_template(f"{template}.cu.j2").render(**ctx)
     return _resolve_line_resets(text, generated_name(hooks, kind))

@@ -35,6 +35,7 @@ import numpy as np
 
 from attnlang import ir
 from attnlang.codegen.config import KV_FP8
+from attnlang.runtime import cascade as cascades
 from attnlang.runtime import hostpath, pairmask, planner
 from attnlang.runtime.arrays import (
     TensorInfo,
@@ -159,7 +160,8 @@ class BatchAttention:
                  arch: str | None = None, num_ctas: int | None = None,
                  num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
                  device: int | None = None, head_dim_vo: int | None = None,
-                 max_pair_mask_bytes: int = 64 << 20, kv_dtype: Any = None):
+                 max_pair_mask_bytes: int = 64 << 20, kv_dtype: Any = None,
+                 cascade: bool = False):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                     head_dim_vo, kv_dtype)
@@ -182,8 +184,11 @@ class BatchAttention:
         if prefill_min_rows < 0:
             raise ValueError(f"prefill_min_rows must be an integer >= 0, got {prefill_min_rows}")
         self.prefill_min_rows = int(prefill_min_rows)
+        if not isinstance(cascade, bool):
+            raise TypeError(f"cascade must be True or False, got {cascade!r}")
+        self.cascade = cascade
         if isinstance(variant_or_module, KernelModule):
-            _check_module(variant_or_module, self.shape)
+            _check_module(variant_or_module, self.shape, cascade)
         elif not isinstance(variant_or_module, ir.Variant):
             raise TypeError(
                 "variant_or_module must be an attnlang Variant (attnlang.load(...)) or a "
@@ -208,16 +213,26 @@ class BatchAttention:
                 # ATTNLANG_ARCH says otherwise.
                 native = device_arch(self.device)
                 arch = env.arch() or ("sm_90a" if native == "sm_90" else native)
+            from attnlang.runtime.module import ALL_KINDS, KINDS
+
             self.module = compile_variant(variant_or_module, head_dim=self.shape.head_dim,
                                           dtype=self.shape.dtype, arch=arch,
                                           head_dim_vo=self.shape.head_dim_vo,
-                                          kv_dtype=self.shape.kv_dtype)
+                                          kv_dtype=self.shape.kv_dtype,
+                                          kinds=ALL_KINDS if cascade else KINDS)
         # The IR mask trims each work unit's KV range at plan time (plan_trim.trim). A module
         # loaded from disk (load_compiled) carries no IR: its plans cover the whole KV range
         # and the kernels skip the EMPTY tiles themselves.
         variant = (variant_or_module if isinstance(variant_or_module, ir.Variant)
                    else getattr(self.module, "variant", None))
         self._mask = variant.mask if variant is not None else None
+        # A cascade's grouped requests run their own positions in the cascade kernel's list
+        # too (one launch), where its tiles keep their classes and terms: the mask and the
+        # logits must not read the request (unknown for a module without its IR).
+        from attnlang.codegen.lower import reads_request
+
+        self._own_in_cascade = variant is not None and not (
+            reads_request(variant.mask) or reads_request(variant.logits))
         s = self.shape
         arch = self.module.arch  # the prefill kernel's path (and launch) depends on it
         self._decode_cfg, self._prefill_cfg, self._merge_cfg = (
@@ -229,6 +244,10 @@ class BatchAttention:
                                              dynamic_smem=self._prefill_cfg.smem_bytes)
         self._merge = self.module.function("merge", self.device,
                                            dynamic_smem=self._merge_cfg.smem_bytes)
+        # The cascade kernel is the prefill kernel's shape (launch_config's prefill).
+        self._cascade = (self.module.function("cascade", self.device,
+                                              dynamic_smem=self._prefill_cfg.smem_bytes)
+                         if cascade else None)
         self.num_ctas = (int(num_ctas) if num_ctas is not None
                          else self._default_num_ctas(self._decode, self._decode_cfg))
         if num_prefill_ctas is not None:
@@ -247,15 +266,26 @@ class BatchAttention:
         worst = worst_case_mixed_bounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             num_kv_heads=s.num_kv_heads, group_size=s.group_size, **self._tilings)
+        worst_partial = worst.max_partial_rows
+        if cascade:
+            # A cascade level is a prefill list over its groups (at most a batch of them,
+            # max_total_q rows each level: one level by default sizing), and every row of a
+            # grouped request writes one more partial state where it would not split.
+            shared = planner.worst_case_bounds(
+                max_batch_size=max_batch_size, max_total_q=max_total_q,
+                num_kv_heads=s.num_kv_heads, group_size=s.group_size,
+                rows_per_tile=self._tilings["prefill"].rows_per_tile,
+                num_ctas=self.num_prefill_ctas)
+            worst_partial += shared.max_partial_rows + max_total_q * s.num_qo_heads
         self.bounds = PlanBounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             max_work_items=max_work_items or worst.max_work_items,
-            max_partial_rows=max_partial_rows or worst.max_partial_rows,
+            max_partial_rows=max_partial_rows or worst_partial,
             max_merge_rows=max_merge_rows or worst.max_merge_rows,
         )
         self.max_kv_indices = int(max_kv_indices)
         self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,
-                                        self.num_prefill_ctas)
+                                        self.num_prefill_ctas, cascade=cascade)
         # The merge kernel loops over rows, so a grid of a few CTAs per SM covers any count.
         merge_ctas = -(-self.bounds.max_merge_rows // max(1, self._merge_cfg.rows_per_tile))
         self._merge_grid = max(1, min(merge_ctas, 8 * self._num_sms()))
@@ -297,17 +327,22 @@ class BatchAttention:
         # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
         # A request has qo_len * group fused rows, from group up to max_total_q * group.
         reachable = {
+            "cascade": cascade,
             "decode": s.group_size <= self.prefill_min_rows,
             "prefill": max_total_q * s.group_size > self.prefill_min_rows,
             "merge": True,
         }
         # Each kernel's launch as run() hands it to cuLaunchKernel: function, grid, block,
         # shared memory and its arguments, packed once (run() rewrites pointers and params).
+        # The merge kernel goes last: it reads the others' partial states.
         self._launches = {}
-        for kind, fn, grid, cfg in (("decode", self._decode, self.num_ctas, self._decode_cfg),
-                                    ("prefill", self._prefill, self.num_prefill_ctas,
-                                     self._prefill_cfg),
-                                    ("merge", self._merge, self._merge_grid, self._merge_cfg)):
+        kernels = (("decode", self._decode, self.num_ctas, self._decode_cfg),
+                   ("prefill", self._prefill, self.num_prefill_ctas, self._prefill_cfg),
+                   ("merge", self._merge, self._merge_grid, self._merge_cfg))
+        if cascade:
+            kernels = (("cascade", self._cascade, self.num_prefill_ctas, self._prefill_cfg),
+                       *kernels)
+        for kind, fn, grid, cfg in kernels:
             packed = PackedArgs(kind, self._ws, num_heads=s.num_qo_heads,
                                 num_kv_heads=s.num_kv_heads, page_size=s.page_size,
                                 num_params=len(self.module.params))
@@ -355,7 +390,7 @@ class BatchAttention:
 
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
              *, kv_chunk_size: int | None = None,
-             params: Mapping[str, Any] | None = None) -> BatchPlan:
+             params: Mapping[str, Any] | None = None, cascade: Any = None) -> BatchPlan:
         """Schedule a batch and upload its plan and page table (one copy, current stream).
 
         qo_indptr [batch+1]: request b owns queries qo_indptr[b]:qo_indptr[b+1] of q.
@@ -366,7 +401,16 @@ class BatchAttention:
         (`bool[q, kv]`), each a list of one [qo_len, kv_len] bool array per request or one
         flat array of them all (`pairmask.normalize`): plan() packs them into bits with a
         block summary the kernels skip tiles by. On error the previous plan stays.
-        Returns the BatchPlan (its .decode and .prefill work lists).
+
+        cascade (a BatchAttention built with cascade=True): requests whose page lists begin
+        with the same pages (a shared prompt) read those pages once, in the cascade kernel,
+        for all their queries; their rows then merge exactly (README, "Shared-prefix
+        cascades"). None (default) or "auto": find the shared runs of consecutive requests
+        in kv_indices and use those worth it (`cascade.CASCADE_MIN_KV` positions or more
+        beyond their parent level); False: none; or the levels themselves, a list of
+        (first_request, end_request, shared_kv): requests [first, end) share their first
+        shared_kv positions (checked against the page table; nested groups share more).
+        Returns the BatchPlan (its .decode, .prefill and .cascade work lists).
         """
         import cupy
 
@@ -376,13 +420,16 @@ class BatchAttention:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
                                 self.max_kv_indices, "page-table entries (kv_indices)")
         packed_pairs, pair_blocks = self._pack_pair_masks(params, inputs)
-        plan = plan_mixed(
-            inputs.qo_lens, inputs.kv_lens, num_kv_heads=self.shape.num_kv_heads,
-            group_size=self.shape.group_size, **self._tilings,
-            prefill_min_rows=self.prefill_min_rows, kv_chunk_size=kv_chunk_size,
-            bounds=self.bounds, mask=self._mask, head_dim=self.shape.head_dim,
-            pairs=pair_blocks or None,
-        )
+        common = dict(num_kv_heads=self.shape.num_kv_heads, group_size=self.shape.group_size,
+                      **self._tilings, prefill_min_rows=self.prefill_min_rows,
+                      kv_chunk_size=kv_chunk_size, bounds=self.bounds, mask=self._mask,
+                      head_dim=self.shape.head_dim, pairs=pair_blocks or None)
+        groups = self._cascade_groups(cascade, inputs)
+        if groups is None:
+            plan = plan_mixed(inputs.qo_lens, inputs.kv_lens, **common)
+        else:
+            plan = cascades.plan_cascade(inputs.qo_lens, inputs.kv_lens, groups, **common,
+                                         own_in_cascade=self._own_in_cascade)
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
             if self._copied:
@@ -409,7 +456,8 @@ class BatchAttention:
         self._ran = self._ran_on_copy_stream = False
         # A kernel whose work list is empty has nothing to do.
         needed = {"decode": plan.decode.num_work_items, "prefill": plan.prefill.num_work_items,
-                  "merge": plan.merge_count}
+                  "merge": plan.merge_count,
+                  "cascade": plan.cascade.num_work_items if plan.cascade is not None else 0}
         self._plan_launches = tuple(launch for kind, launch in self._launches.items()
                                     if needed[kind] > 0)
         self._copied = True
@@ -627,6 +675,26 @@ class BatchAttention:
 
     # -- internals
 
+    def _cascade_groups(self, cascade: Any, inputs: PlanInputs):
+        """plan()'s cascade argument -> the shared levels (CascadeGroups), or None."""
+        if cascade is None:
+            cascade = "auto" if self.cascade else False
+        if cascade is False:
+            return None
+        if not self.cascade:
+            raise ValueError("plan(cascade=...) needs the cascade kernel: construct "
+                             "BatchAttention(..., cascade=True)")
+        lcp = cascades.adjacent_shared(inputs.kv_indptr, inputs.kv_indices, inputs.kv_lens,
+                                       self.shape.page_size)
+        if cascade is True or cascade == "auto":
+            groups = cascades.find_groups(lcp)
+        elif isinstance(cascade, str):
+            raise ValueError(f"cascade must be None, 'auto', True, False or a list of "
+                             f"(first_request, end_request, shared_kv), got {cascade!r}")
+        else:
+            groups = cascades.explicit_groups(cascade, lcp, inputs.qo_lens, inputs.kv_lens)
+        return groups if groups.count else None
+
     def _pack_pair_masks(self, params: Mapping[str, Any] | None, inputs: PlanInputs
                          ) -> tuple[dict[str, np.ndarray], dict[str, pairmask.PairBlocks]]:
         """The per-pair masks of plan()'s params, packed for the kernels (pairmask.pack) and
@@ -723,7 +791,7 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float, np.integer, np.floating))
 
 
-def _check_module(module: KernelModule, shape: AttentionShape) -> None:
+def _check_module(module: KernelModule, shape: AttentionShape, cascade: bool) -> None:
     have = (module.head_dim, module.head_dim_vo, module.dtype, module.kv_dtype)
     if have != (shape.head_dim, shape.head_dim_vo, shape.dtype, shape.kv_dtype):
         raise ValueError(
@@ -733,7 +801,11 @@ def _check_module(module: KernelModule, shape: AttentionShape) -> None:
             f"{shape.head_dim_vo}, cache {shape.kv_dtype}: compile the variant for those "
             "(attnlang.compile) or pass the Variant itself"
         )
-    missing = [k for k in ("decode", "prefill", "merge") if k not in module.cubins]
+    needed = ("decode", "prefill", "merge", "cascade") if cascade else ("decode", "prefill",
+                                                                         "merge")
+    missing = [k for k in needed if k not in module.cubins]
     if missing:
+        how = ("`attnlang compile FILE --cascade`, or kinds=ALL_KINDS" if "cascade" in missing
+               else "the default kinds")
         raise ValueError(f"the compiled module {module.name} lacks the {', '.join(missing)} "
-                         "kernel(s) BatchAttention needs; compile it with the default kinds")
+                         f"kernel(s) BatchAttention needs; compile it with {how}")

@@ -34,17 +34,22 @@ from pathlib import Path
 from typing import Any
 
 from attnlang import ir
+from attnlang.codegen import config
 from attnlang.codegen.config import HEAD_DIM_PAIRS, HEAD_DIMS, KV_FP8, check_head_dims
 from attnlang.runtime.arrays import normalize_dtype, normalize_kv_dtype
 from attnlang.runtime.compiler import Cubin, FunctionInfo
 
 __all__ = [
-    "KINDS", "KERNEL_KINDS", "HEAD_DIMS", "MANIFEST_FORMAT", "KernelModule", "ModuleLoadError",
-    "compile_variant", "load_compiled", "arch_runs_on", "device_arch", "check_head_dim",
+    "KINDS", "ALL_KINDS", "KERNEL_KINDS", "HEAD_DIMS", "MANIFEST_FORMAT", "KernelModule",
+    "ModuleLoadError", "compile_variant", "load_compiled", "arch_runs_on", "device_arch",
+    "check_head_dim",
 ]
 
+# The kernels a module holds by default; ALL_KINDS adds the cascade kernel (shared-prefix
+# levels), compiled where a BatchAttention plans cascades (or `attnlang compile --cascade`).
 KINDS = ("decode", "prefill", "merge")
-KERNEL_KINDS = KINDS  # the name the CLI uses
+ALL_KINDS = config.KINDS
+KERNEL_KINDS = ALL_KINDS  # the name the CLI uses
 MANIFEST_FORMAT = 1
 _SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16"}
 # Dynamic shared memory above this needs an explicit opt-in per function.
@@ -222,9 +227,9 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     if kv_dtype == KV_FP8:
         variant = ir.with_kv_scales(variant)
     kinds = tuple(kinds)
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in ALL_KINDS]
     if unknown or not kinds:
-        raise ValueError(f"kinds must be a non-empty subset of {KINDS}, got {kinds}")
+        raise ValueError(f"kinds must be a non-empty subset of {ALL_KINDS}, got {kinds}")
     arch = resolve_arch(arch)
     key = (variant, head_dim, head_dim_vo, dtype, kv_dtype, arch, kinds)
     with _MODULES_LOCK:
@@ -290,7 +295,7 @@ def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -
         cubins, entries = {}, {}
         for kind in manifest["kinds"]:
             meta = manifest["cubins"][kind]
-            if kind not in KINDS or Path(meta["file"]).name != meta["file"]:
+            if kind not in ALL_KINDS or Path(meta["file"]).name != meta["file"]:
                 raise ModuleLoadError(f"{path}: bad cubin entry {kind!r}: {meta!r}")
             file = root / meta["file"]
             try:

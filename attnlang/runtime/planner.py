@@ -380,10 +380,14 @@ def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
 
 
 def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
-              kv_align, kv_chunk_size, bounds, mask, head_dim, pairs=None, lens32=None) -> Plan:
+              kv_align, kv_chunk_size, bounds, mask, head_dim, pairs=None, lens32=None,
+              kv_from=None, force_split=None) -> Plan:
     """plan_batch after its checks (lengths from _lengths, arguments positive).
 
-    lens32: the frozen int32 copies of (qo, kv) for the Plan, when the caller has them."""
+    lens32: the frozen int32 copies of (qo, kv) for the Plan, when the caller has them.
+    kv_from [batch] (cascades, `plan_cascade`): request b's units cover KV positions from
+    kv_from[b] on (a shared level before them holds the rest); force_split [batch] bool:
+    request b's rows write partial states even when unsplit (a cascade merges them)."""
     if lens32 is None:
         lens32 = (_frozen(qo), _frozen(kv))
     if not qo.any():  # no queries: no work (the other kernel's list of a plan_mixed)
@@ -410,6 +414,12 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     else:
         span0, span1 = None, kv[u.req]  # span0 None: every span starts at 0
         span = span1
+    if kv_from is not None:  # a cascade's own levels hold the positions before kv_from
+        lo = kv_from[u.req]
+        span0 = lo if span0 is None else np.maximum(span0, lo)
+        span1 = np.maximum(span1, span0)
+        span = span1 - span0
+    forced = force_split[u.req] if force_split is not None else None
 
     # 2. The chunk bound and each unit's chunk count / length (equal chunks of its span).
     if kv_chunk_size is None:
@@ -419,7 +429,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         align = kv_align
     else:
         bound, align = int(kv_chunk_size), 1
-    if int(span.max()) <= bound:
+    if int(span.max()) <= bound and (forced is None or not forced.any()):
         # Nothing split (decode batches that fill the GPU): one item per unit, its whole span
         # (what the general path below computes for unit_n == 1), no partial rows, no merges.
         _check_bound(bounds.max_work_items, "max_work_items", num_units, "work items")
@@ -435,7 +445,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     chunk_len = -(-span // unit_n)
     chunk_len = -(-chunk_len // align) * align
     unit_n = np.where(span > 0, -(-span // np.maximum(chunk_len, 1)), 1)  # alignment may merge
-    unit_split = unit_n > 1
+    unit_split = unit_n > 1 if forced is None else (unit_n > 1) | forced
     if span0 is None:
         span0 = np.zeros(num_units, dtype=np.int64)
 
@@ -774,6 +784,13 @@ class BatchPlan:
     merge_head: np.ndarray
     merge_request: np.ndarray
     num_partial_rows: int
+    # A cascade's shared levels (`attnlang.runtime.cascade.plan_cascade`): the cascade
+    # kernel's work list (its partial rows come first), per item the group's token end and
+    # the q_pos range of its rows ([items, 3] flattened), and each token's request.
+    cascade: Plan | None = None
+    cascade_item: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    token_request: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    cascade_groups: Any = None  # its CascadeGroups (which requests share what)
 
     @property
     def batch_size(self) -> int:
@@ -785,7 +802,8 @@ class BatchPlan:
 
     @property
     def num_work_items(self) -> int:
-        return self.decode.num_work_items + self.prefill.num_work_items
+        shared = self.cascade.num_work_items if self.cascade is not None else 0
+        return self.decode.num_work_items + self.prefill.num_work_items + shared
 
     @property
     def num_split_requests(self) -> int:
@@ -807,6 +825,12 @@ class BatchPlan:
     def same_as(self, other: BatchPlan) -> bool:
         """True if both plans hold identical values (the determinism check)."""
         if not (self.decode.same_as(other.decode) and self.prefill.same_as(other.prefill)):
+            return False
+        if (self.cascade is None) != (other.cascade is None) or (
+                self.cascade is not None and not (
+                    self.cascade.same_as(other.cascade)
+                    and np.array_equal(self.cascade_item, other.cascade_item)
+                    and np.array_equal(self.token_request, other.token_request))):
             return False
         if (self.merge_count, self.num_partial_rows) != (other.merge_count,
                                                          other.num_partial_rows):
@@ -830,6 +854,8 @@ def plan_mixed(
     mask: Any = None,
     head_dim: int | None = None,
     pairs: Any = None,
+    kv_from: np.ndarray | None = None,
+    force_split: np.ndarray | None = None,
 ) -> BatchPlan:
     """Schedule a ragged batch over the decode and prefill kernels. Pure CPU, deterministic.
 
@@ -839,6 +865,9 @@ def plan_mixed(
     own Tiling (and the mask / head_dim for KV trimming, see plan_batch); the cost model, the
     KV chunk bound (per list: each kernel fills the GPU on its own, they run one after the
     other) and the determinism are plan_batch's. kv_chunk_size overrides both lists' bound.
+
+    kv_from, force_split: a cascade's (`attnlang.runtime.cascade`): per request, the first
+    KV position its units cover, and whether its rows always write partial states.
 
     bounds: max_work_items caps each list (the workspace holds one section per list);
     max_partial_rows and max_merge_rows cap the two lists together. Raises PlanError /
@@ -869,7 +898,7 @@ def plan_mixed(
     per_list = _list_bounds(bounds.max_work_items)
     common = dict(num_kv_heads=num_kv_heads, group_size=group_size, min_kv_chunk=min_kv_chunk,
                   kv_chunk_size=kv_chunk_size, bounds=per_list, mask=mask, head_dim=head_dim,
-                  pairs=pairs)
+                  pairs=pairs, kv_from=kv_from, force_split=force_split)
     if mask is not None and head_dim is None:
         raise PlanError("plan_mixed: head_dim is required with a mask")
     any_prefill = int(qo.max(initial=0)) * group_size > prefill_min_rows

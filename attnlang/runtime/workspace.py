@@ -35,11 +35,16 @@ _ALIGN = 32
 # [0, its start + used length) moves everything a plan wrote.
 _WORK = ("work_request", "work_kv_head", "work_row_start", "work_kv_start", "work_kv_end",
          "work_partial")
-# The prefill kernel's work list: the same arrays under a "prefill_" prefix.
+# The prefill kernel's work list: the same arrays under a "prefill_" prefix; the cascade
+# kernel's under "cascade_", with its items' group ends and q_pos ranges and each token's
+# request.
 _PREFILL_PREFIX = "prefill_"
+_CASCADE_PREFIX = "cascade_"
 _SECTIONS = (
     "work_indptr", "merge_count", "qo_indptr", "kv_indptr", "kv_last_page_len", *_WORK,
     "prefill_work_indptr", *(_PREFILL_PREFIX + name for name in _WORK),
+    "cascade_work_indptr", *(_CASCADE_PREFIX + name for name in _WORK), "cascade_item",
+    "token_request",
     "merge_indptr", "merge_token", "merge_head", "merge_request", "merge_slots", "kv_indices",
 )
 
@@ -58,10 +63,13 @@ class WorkspaceLayout:
 
 
 def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
-                     num_prefill_ctas: int | None = None) -> WorkspaceLayout:
+                     num_prefill_ctas: int | None = None,
+                     cascade: bool = False) -> WorkspaceLayout:
     """The fixed layout of the int32 workspace for these capacities: the decode kernel's work
     list (num_ctas CTAs), the prefill kernel's (num_prefill_ctas, default num_ctas), each
-    holding up to bounds.max_work_items items, the merge list and the page table.
+    holding up to bounds.max_work_items items, the merge list and the page table; with
+    cascade, the cascade kernel's list (num_prefill_ctas) and its arrays (else they are
+    empty sections).
 
     Example: ``workspace_layout(132, worst_case_bounds(...), 1 << 20).total``.
     """
@@ -75,6 +83,10 @@ def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
     }
     for name in _WORK:
         caps[name] = caps[_PREFILL_PREFIX + name] = w
+        caps[_CASCADE_PREFIX + name] = w if cascade else 0
+    caps["cascade_work_indptr"] = prefill_ctas + 1 if cascade else 0
+    caps["cascade_item"] = 3 * w if cascade else 0
+    caps["token_request"] = bounds.max_total_q if cascade else 0
     for name in ("merge_token", "merge_head", "merge_request"):
         caps[name] = m
     offsets, at = {}, 0
@@ -98,6 +110,13 @@ def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: BatchPlan | 
     if isinstance(plan, BatchPlan):
         arrays += plan.decode.work_arrays().items()
         arrays += [(_PREFILL_PREFIX + k, a) for k, a in plan.prefill.work_arrays().items()]
+        if layout.capacity["cascade_work_indptr"]:
+            start = off["cascade_work_indptr"]
+            host[start:start + layout.capacity["cascade_work_indptr"]] = 0
+        if plan.cascade is not None:
+            arrays += [(_CASCADE_PREFIX + k, a) for k, a in plan.cascade.work_arrays().items()]
+            arrays += [("cascade_item", plan.cascade_item),
+                       ("token_request", plan.token_request)]
     else:
         arrays += plan.work_arrays().items()
         start = off["prefill_work_indptr"]
@@ -127,10 +146,13 @@ def kernel_args(kind: str, *, q: int, k_cache: int, v_cache: int, out: int, lse:
     tail = (np.int32(num_heads), np.int32(num_kv_heads), np.int32(page_size),
             np.float32(sm_scale),
             *(ptr(v.ptr) if isinstance(v, TensorInfo) else v for _, v in params))
-    if kind in ("decode", "prefill"):
-        # Same arguments (INTERNALS.md); each kernel reads its own work list.
-        prefix = _PREFILL_PREFIX if kind == "prefill" else ""
+    if kind in ("decode", "prefill", "cascade"):
+        # Same arguments (INTERNALS.md); each kernel reads its own work list, the cascade
+        # kernel two more arrays after it.
+        prefix = {"prefill": _PREFILL_PREFIX, "cascade": _CASCADE_PREFIX}.get(kind, "")
         work = [ptr(ws[prefix + name]) for name in ("work_indptr", *_WORK)]
+        if kind == "cascade":
+            work += [ptr(ws["cascade_item"]), ptr(ws["token_request"])]
         return (
             ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(lse),
             ptr(ws["qo_indptr"]), ptr(ws["kv_indptr"]), ptr(ws["kv_indices"]),

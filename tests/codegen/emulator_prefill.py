@@ -28,6 +28,7 @@ from attnlang import ir, reference
 from attnlang.codegen.config import launch_config
 from attnlang.codegen.lower import lower
 from attnlang.codegen.render import render
+from attnlang.runtime import cascade as cascades
 from attnlang.runtime.planner import Tiling, plan_mixed
 from tests.codegen import emulator as base
 
@@ -58,7 +59,7 @@ def _emulated_source(src: str, kind: str) -> str:
     assert _SMEM_U32 in src, "common.cuh's smem_u32 changed; update the emulator"
     src, n_cp = _CP_ASYNC_SHARED.subn("emu_cp_async(emu_smem() + dst, src, valid);", src)
     src, n_cp8 = _CP_ASYNC_SHARED_8.subn("emu_cp_async(emu_smem() + dst, src, valid, 8);", src)
-    assert n_cp == n_cp8 == (kind == "prefill"), (
+    assert n_cp == n_cp8 == (kind in ("prefill", "cascade")), (
         "prefill_tiles.cuh's cp_async_16_shared changed; update the emulator")
     src = src.replace(_SMEM_U32, "return (unsigned)((const unsigned char*)ptr - emu_smem());")
     src = src.replace("extern __shared__ __align__(1024) unsigned char smem[];",
@@ -86,6 +87,7 @@ class Result:
     decode_items: int
     prefill_items: int
     merge_rows: int
+    cascade_items: int = 0
 
 
 def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim: int = 64,
@@ -93,11 +95,16 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
              page_size: int = 16, num_ctas: int = 3, kv_chunk_size: int | None = None,
              sm_scale: float | None = None, eager: bool = False, seed: int = 0,
              head_dim_vo: int | None = None, params: dict | None = None,
-             kv_dtype: str | None = None) -> Result:
+             kv_dtype: str | None = None, shared_pages: tuple = (),
+             own_in_cascade: bool = False) -> Result:
     """Plan a random paged batch with plan_mixed, run decode / prefill / merge emulated (each
     only if it has work), compare with the reference. Outputs and partials start as NaN.
     params: run-time params to use instead of random ones (by name). kv_dtype: as in
-    emulator.run_case (an fp8 cache)."""
+    emulator.run_case (an fp8 cache). shared_pages: ((first, end, pages), ...): requests
+    [first, end) begin with the same `pages` page ids (nested groups share more), and the
+    batch is planned as a cascade (`cascade.plan_cascade`, levels found from the page table
+    with no minimum), its shared levels run in the cascade kernel (with own_in_cascade the
+    grouped requests' own tensor-core items too)."""
     rng = np.random.default_rng(seed)
     group = num_heads // num_kv_heads
     qo_lens, kv_lens = np.asarray(qo_lens), np.asarray(kv_lens)
@@ -106,6 +113,10 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     total_pages = sum(pages) + 3
     kv_indices = rng.permutation(total_pages)[:sum(pages)].astype(np.int32)
     kv_indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
+    for first, end, n in shared_pages:  # the group's first request's pages, shared
+        for b in range(first + 1, end):
+            kv_indices[kv_indptr[b]:kv_indptr[b] + n] = kv_indices[kv_indptr[first]:
+                                                                   kv_indptr[first] + n]
     last = np.array([int(n) - (p - 1) * page_size if p else 0
                      for n, p in zip(kv_lens, pages, strict=True)], np.int32)
     qo_indptr = np.concatenate([[0], np.cumsum(qo_lens)]).astype(np.int32)
@@ -125,10 +136,15 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
     hooks = lower(v)
     cfgs = {kind: launch_config(kind, head_dim, group, dtype, head_dim_vo=dv)
             for kind in ("decode", "prefill")}
-    plan = plan_mixed(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
-                      **{kind: Tiling(c.rows_per_tile, num_ctas, c.kv_tile)
-                         for kind, c in cfgs.items()},
-                      kv_chunk_size=kv_chunk_size)
+    tilings = {kind: Tiling(c.rows_per_tile, num_ctas, c.kv_tile) for kind, c in cfgs.items()}
+    if shared_pages:
+        lcp = cascades.adjacent_shared(kv_indptr, kv_indices, kv_lens, page_size)
+        plan = cascades.plan_cascade(qo_lens, kv_lens, cascades.find_groups(lcp, min_shared_kv=1),
+                                     num_kv_heads=num_kv_heads, group_size=group, **tilings,
+                                     kv_chunk_size=kv_chunk_size, own_in_cascade=own_in_cascade)
+    else:
+        plan = plan_mixed(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
+                          **tilings, kv_chunk_size=kv_chunk_size)
     nan16 = np.uint16(0x7FFF if dtype == "float16" else 0x7FC0)
     partial_rows = max(1, plan.num_partial_rows)
     state = {
@@ -141,19 +157,24 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
                "sm_scale": scale}
     tensor_params = base.kernel_param_values(hooks, v, params, scalars, qo_lens, kv_lens)
     bin_dir = workdir / "bin"
-    for kind, sub in (("decode", plan.decode), ("prefill", plan.prefill)):
-        if sub.num_work_items == 0:
+    lists = (("cascade", plan.cascade), ("decode", plan.decode), ("prefill", plan.prefill))
+    for kind, sub in lists:
+        if sub is None or sub.num_work_items == 0:
             continue
+        extra = ({"cascade_item": plan.cascade_item, "token_request": plan.token_request}
+                 if kind == "cascade" else {})
         arrays = {
             "q": q_bits, "k_cache": k_bits, "v_cache": v_bits, **state,
             "qo_indptr": qo_indptr, "kv_indptr": kv_indptr,
             "kv_indices": kv_indices if len(kv_indices) else np.zeros(1, np.int32),
             "kv_last_page_len": last,
             **{name: a.astype(np.int32) for name, a in sub.work_arrays().items()},
+            **{name: a.astype(np.int32) for name, a in extra.items()},
             **tensor_params,
         }
         res = base._launch(build(hooks, kind, dtype, head_dim, bin_dir, dv, kv_dtype),
-                           workdir / "run", arrays, scalars, num_ctas, cfgs[kind], eager)
+                           workdir / "run", arrays, scalars, num_ctas,
+                           cfgs["prefill" if kind == "cascade" else kind], eager)
         state = {name: res[name] for name in state}
     if plan.merge_count:
         arrays = {
@@ -178,4 +199,5 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
                          and (lse[~finite] == -np.inf).all())
         lse_err = float(np.abs(lse[finite] - ref_lse[finite]).max()) if finite.any() else 0.0
     return Result(rel_err, lse_err, finite_ok, has_nan, plan.decode.num_work_items,
-                  plan.prefill.num_work_items, plan.merge_count)
+                  plan.prefill.num_work_items, plan.merge_count,
+                  plan.cascade.num_work_items if plan.cascade is not None else 0)

@@ -153,3 +153,32 @@ def test_fp8_cache(case, workdir):
     assert r.prefill_items > 0 and not r.has_nan, r
     assert r.rel_err <= TOL[case.get("dtype", "bfloat16")], r
     assert r.lse_finite_matches and r.lse_err <= 5e-3, r
+
+
+@pytest.mark.parametrize("case", [
+    # Nested levels (requests 0..3 share 12 pages, 0..1 four more), decode steps and a
+    # prompt among them, a request of its own; the shared levels split over KV chunks, the
+    # grouped requests' own tensor-core items in the cascade kernel's list too.
+    dict(name="examples/gptj_rope.attn", qo_lens=(1, 2, 1, 20, 1), kv_lens=(300, 275, 250,
+                                                                            290, 33),
+         shared_pages=((0, 4, 12), (0, 2, 16)), kv_chunk_size=96, own_in_cascade=True),
+    # T5's distance table and uniform tiles over a cascade item's q_pos range (the logits
+    # read no request), GQA 4.
+    dict(name="examples/t5_bias.attn", num_heads=8, num_kv_heads=2, qo_lens=(1, 1, 30, 1),
+         kv_lens=(400, 420, 390, 100), shared_pages=((0, 3, 20),)),
+    # A per-pair mask reads each row's request: every shared tile partial, the per-element
+    # mask on each row's own Index; softmax on, fp16.
+    dict(name="examples/spec_tree.attn", dtype="float16", qo_lens=(5, 1, 9),
+         kv_lens=(260, 250, 300), shared_pages=((0, 3, 10),)),
+], ids=["gptj-rope-nested", "t5-tables", "spec-tree-fp16"])
+def test_cascade(case, workdir):
+    # Shared-prefix levels in the cascade kernel (prefill.cu.j2 with kCascade: an item's rows
+    # are several requests', each with its own Index), each request's own positions in the
+    # decode / prefill kernels, every row merged.
+    case = dict(case)
+    name = case.pop("name")
+    r = emulator_prefill.run_case(attnlang.load(ROOT / name), workdir / f"cascade-{name[9:]}",
+                                  seed=4, **case)
+    assert r.cascade_items > 0 and not r.has_nan, r
+    assert r.rel_err <= TOL[case.get("dtype", "bfloat16")], r
+    assert r.lse_finite_matches and r.lse_err <= 5e-3, r

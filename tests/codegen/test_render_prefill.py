@@ -167,16 +167,50 @@ def test_fp8_cache_prefill_compiles_within_the_budget(variant, dtype, head_dim, 
                           budget=SPILL_BUDGET + 32)
 
 
-def check_prefill_compile(variant, dtype, head_dim, arch, kv_dtype=None, budget=SPILL_BUDGET):
+# The cascade kernel (a shared-prefix level's: prefill with kCascade) on each path.
+_CASCADE = [(v, "bfloat16", hd, a) for v in ("causal", "spec_tree", "t5_bias")
+            for hd, a in ((128, "sm_90a"), (64, "sm_90a"), (128, "sm_80"))]
+_CASCADE += [("kitchen_sink", "bfloat16", 128, "sm_90a"), ("causal", "bfloat16", 256, "sm_90a")]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant, dtype, head_dim, arch", _CASCADE,
+                         ids=["-".join(map(str, m)) for m in _CASCADE])
+def test_cascade_kernel_compiles_within_the_budget(variant, dtype, head_dim, arch):
+    # Each row's Index holds its own request and lengths (three registers more per fragment
+    # row than one request's item): spec_tree on mma.sync parks 44 / 88 bytes.
+    check_prefill_compile(variant, dtype, head_dim, arch, kind="cascade",
+                          budget=SPILL_BUDGET + 32)
+
+
+def test_cascade_kernel_source():
+    hooks = lower(load(by_id("causal")))
+    src = render(hooks, "cascade", "bfloat16", 128, "sm_90a")
+    args = [name for _, name in entry_args(src, "cascade")]
+    at = DECODE_ARGS.index("work_partial") + 1
+    assert args == DECODE_ARGS[:at] + ["cascade_item", "token_request"] + DECODE_ARGS[at:]
+    assert "constexpr bool kCascade = true;" in src and "constexpr bool kWgmma = true;" in src
+    assert "constexpr bool kCascade = false;" in render(hooks, "prefill", "bfloat16", 128)
+    assert config.launch_config("cascade", 128, 4, arch="sm_90a") == config.launch_config(
+        "prefill", 128, 4, arch="sm_90a")
+    # Keys whose hook reads the request differ between a prefix's requests: no cascade.
+    v = attnlang.parse("variant k\nparam shift: int[batch]\n"
+                       "key = rope(k, kv_pos + shift[batch])\n")
+    with pytest.raises(ValueError, match="no cascade kernel: its key or value hook reads"):
+        render(lower(v), "cascade", "bfloat16", 128)
+
+
+def check_prefill_compile(variant, dtype, head_dim, arch, kv_dtype=None, budget=SPILL_BUDGET,
+                          kind="prefill"):
     from attnlang.runtime.compiler import compile_source
 
     qk, vo = head_dims(head_dim)
     v = load(by_id(variant))
     hooks = lower(attnlang.ir.with_kv_scales(v) if kv_dtype else v)
-    src = render(hooks, "prefill", dtype, qk, arch, vo, kv_dtype)
-    cubin = compile_source(src, arch, name=generated_name(hooks, "prefill"),
-                           label=f"{variant} prefill {dtype} d{head_dim}")
-    (info,) = [f for f in cubin.functions if f.name == "prefill"]
+    src = render(hooks, kind, dtype, qk, arch, vo, kv_dtype)
+    cubin = compile_source(src, arch, name=generated_name(hooks, kind),
+                           label=f"{variant} {kind} {dtype} d{head_dim}")
+    (info,) = [f for f in cubin.functions if f.name == kind]
     shape = config.template_shape("prefill", qk, dtype, arch, vo)
     if shape.wgmma:
         # ptxas reports (C75xx) when it has to serialise wgmma: that would cost the path its

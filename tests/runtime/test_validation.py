@@ -13,6 +13,7 @@ import pytest
 
 import attnlang
 from attnlang import ir
+from attnlang.codegen.lower import lower
 from attnlang.runtime import attention as A
 from attnlang.runtime.arrays import (
     TensorInfo,
@@ -346,11 +347,16 @@ def _arg_kind(decl: str) -> type:
 
 
 @pytest.mark.parametrize("path", VARIANT_FILES, ids=VARIANT_IDS)
-@pytest.mark.parametrize("kind", ["decode", "prefill", "merge"])
+@pytest.mark.parametrize("kind", ["decode", "prefill", "merge", "cascade"])
 def test_kernel_args_match_the_rendered_entry(path, kind):
     from attnlang.pipeline import generate_source
 
     variant = attnlang.load(path)
+    if kind == "cascade" and lower(variant).kv_reads_request:
+        # Keys that depend on their request are not shared by a prefix's requests.
+        with pytest.raises(ValueError, match="has no cascade kernel: its key or value hook"):
+            generate_source(variant, kind, "bfloat16", 128)
+        return
     source = generate_source(variant, kind, "bfloat16", 128)
     decls = _entry_signature(source, kind)
     values, ws = _launch_inputs(variant, np.int32(1), np.float32(1))
@@ -367,6 +373,11 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
     elif kind == "prefill":  # the same arguments, its own work list
         assert named["q"] == 1 and named["work_partial"] == ws["prefill_work_partial"]
         assert named["work_indptr"] == ws["prefill_work_indptr"]
+    elif kind == "cascade":  # prefill's, its own work list and two arrays more
+        assert named["q"] == 1 and named["work_partial"] == ws["cascade_work_partial"]
+        assert named["work_indptr"] == ws["cascade_work_indptr"]
+        assert named["cascade_item"] == ws["cascade_item"]
+        assert named["token_request"] == ws["token_request"]
     else:
         assert named["merge_count"] == ws["merge_count"]
         assert named["merge_slots"] == ws["merge_slots"]
@@ -391,7 +402,7 @@ def test_packed_args_equal_kernel_args(path):
     """run()'s packed kernelParams slots, after a call's update, hold exactly kernel_args'
     tuple (types and values), and a second update leaves nothing of the first behind."""
     values, ws = _launch_inputs(attnlang.load(path), np.int32(3), np.float32(2.5))
-    for kind in ("decode", "prefill", "merge"):
+    for kind in ("decode", "prefill", "merge", "cascade"):
         packed = A.PackedArgs(kind, ws, num_heads=8, num_kv_heads=2, page_size=16,
                               num_params=len(values))
         packed.update(1 << 40, 2, 3, 4, 5, -7.5, values)  # overwritten below

@@ -1086,6 +1086,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = true;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1102,7 +1104,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/flamingo_xattn.attn"
   return ((attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192) != 0) && (attnlang::table_at(p.u_key_image, attnlang::Known{ix.batch}, 0, ix.kv_pos, 4096) == attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192)));
 }
-#line 1106 "flamingo_xattn_decode.cu"
+#line 1108 "flamingo_xattn_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1112,7 +1114,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/flamingo_xattn.attn"
   return tri_and(tri_ne(IvI::top(), IvI::point(0)), tri_eq(IvI::top(), IvI::top()));
 }
-#line 1116 "flamingo_xattn_decode.cu"
+#line 1118 "flamingo_xattn_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

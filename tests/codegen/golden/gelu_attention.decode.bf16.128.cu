@@ -1083,6 +1083,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = false;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = false;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1097,13 +1099,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 7 "examples/gelu_attention.attn"
   return (((0.5f * s) * (1.0f + erff((s * 0.7071067811865476f)))) / ((float)((ix.q_pos + 1))));
 }
-#line 1101 "gelu_attention_decode.cu"
+#line 1103 "gelu_attention_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/gelu_attention.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1107 "gelu_attention_decode.cu"
+#line 1109 "gelu_attention_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1113,7 +1115,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 8 "examples/gelu_attention.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1117 "gelu_attention_decode.cu"
+#line 1119 "gelu_attention_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = false;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1099,13 +1101,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 8 "examples/gemma2_local.attn"
   return (p.u_cap * attnlang::tanh_approx((s * (1.0f / p.u_cap))));
 }
-#line 1103 "gemma2_local_decode.cu"
+#line 1105 "gemma2_local_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 9 "examples/gemma2_local.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.q_pos - ix.kv_pos) < 4096));
 }
-#line 1109 "gemma2_local_decode.cu"
+#line 1111 "gemma2_local_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1115,7 +1117,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 9 "examples/gemma2_local.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(4096)));
 }
-#line 1119 "gemma2_local_decode.cu"
+#line 1121 "gemma2_local_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = true;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1101,7 +1103,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/longformer.attn"
   return (((attnlang::iabs((ix.q_pos - ix.kv_pos)) <= 256) || (attnlang::table_at(p.u_is_global, attnlang::Known{ix.batch}, 0, ix.kv_pos, 16384) != 0)) || (attnlang::table_at(p.u_is_global, attnlang::Known{ix.batch}, 0, ix.q_pos, 16384) != 0));
 }
-#line 1105 "longformer_decode.cu"
+#line 1107 "longformer_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1111,7 +1113,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/longformer.attn"
   return tri_or(tri_or(tri_le(iv_abs(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi})), IvI::point(256)), attnlang::span_tri(p.u_is_global, kv_lo, kv_hi, 16384, attnlang::Known{ix.batch}, 0)), attnlang::span_tri(p.u_is_global, q_lo, q_hi, 16384, attnlang::Known{ix.batch}, 0));
 }
-#line 1115 "longformer_decode.cu"
+#line 1117 "longformer_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = true;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1101,7 +1103,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/prefix_lm.attn"
   return ((ix.kv_pos < attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0)) || (ix.kv_pos <= ix.q_pos));
 }
-#line 1105 "prefix_lm_decode.cu"
+#line 1107 "prefix_lm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1111,7 +1113,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 8 "examples/prefix_lm.attn"
   return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0))), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1115 "prefix_lm_decode.cu"
+#line 1117 "prefix_lm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = true;
+inline constexpr bool kMaskReadsRequest = true;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1101,7 +1103,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_bit(p.u_allowed, ix, (ix.q_pos - (ix.kv_len - ix.qo_len)), ix.kv_pos);
 }
-#line 1105 "spec_tree_decode.cu"
+#line 1107 "spec_tree_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1111,7 +1113,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_tile(p.u_allowed, ix, q_lo - (ix.kv_len - ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi);
 }
-#line 1115 "spec_tree_decode.cu"
+#line 1117 "spec_tree_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

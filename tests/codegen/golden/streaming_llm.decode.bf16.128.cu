@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = false;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1106,7 +1108,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1110 "streaming_llm_decode.cu"
+#line 1112 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1128,7 +1130,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1132 "streaming_llm_decode.cu"
+#line 1134 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1139,7 +1141,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "examples/streaming_llm.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.kv_pos < 4) || ((ix.q_pos - ix.kv_pos) < 1024)));
 }
-#line 1143 "streaming_llm_decode.cu"
+#line 1145 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1149,7 +1151,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 13 "examples/streaming_llm.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(4)), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(1024))));
 }
-#line 1153 "streaming_llm_decode.cu"
+#line 1155 "streaming_llm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };

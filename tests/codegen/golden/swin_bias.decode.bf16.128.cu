@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = false;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = false;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1099,7 +1101,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 13 "examples/swin_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
 }
-#line 1103 "swin_bias_decode.cu"
+#line 1105 "swin_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) { return true; }  // identity
 

@@ -1085,6 +1085,8 @@ inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
 inline constexpr bool kPairWindow = false;
+inline constexpr bool kMaskReadsRequest = false;
+inline constexpr bool kLogitsReadsRequest = false;
 
 template <int VEC, int TX>
 __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1099,13 +1101,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((attnlang::imax((ix.q_pos - ix.kv_pos), 0) < 16) ? attnlang::imax((ix.q_pos - ix.kv_pos), 0) : attnlang::imin((16 + attnlang::float_to_int((attnlang::div_invariant(__logf((((float)(attnlang::imax((ix.q_pos - ix.kv_pos), 0))) * (1.0f / 16.0f))), 2.0794415416798357f) * 16.0f))), 31)), 32));
 }
-#line 1103 "t5_bias_decode.cu"
+#line 1105 "t5_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 19 "examples/t5_bias.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1109 "t5_bias_decode.cu"
+#line 1111 "t5_bias_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1115,7 +1117,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 19 "examples/t5_bias.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1119 "t5_bias_decode.cu"
+#line 1121 "t5_bias_decode.cu"
 
 inline constexpr int kUniformTerms = 1;
 struct Uniform { int v[1]; };
@@ -1140,7 +1142,7 @@ __device__ __forceinline__ float logits_uniform_rows(const float s, const Params
 __device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) {
   return logits_uniform_rows(s, p, ix, u, uniform_rows(p, ix, u));
 }
-#line 1144 "t5_bias_decode.cu"
+#line 1146 "t5_bias_decode.cu"
 
 inline constexpr bool kDistanceTerm = true;
 inline constexpr bool kDistanceByHead = true;
@@ -1154,7 +1156,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 18 "examples/t5_bias.attn"
   return (s + t);
 }
-#line 1158 "t5_bias_decode.cu"
+#line 1160 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
