@@ -11,12 +11,14 @@ once, each suffix for its query).
 
 Rows: P = 32768 (the issue's target: >= 10x over no cascade, ahead of FlashInfer), then a
 sweep of P from 0 to 65536 (attnlang's cascade forced, and what "auto" picks) showing where
-the cascade starts to pay. CUDA-graph replay for attnlang; FlashInfer as CUDA graph where
+the cascade starts to pay; then prefill: 16 requests of 256 new tokens each (their own
+part: causal among themselves) over a shared prefix of 16384, where the cascade saves
+reads but no tensor-core work. CUDA-graph replay for attnlang; FlashInfer as CUDA graph where
 its run() captures, else plain calls (the row says which). Outputs are checked first against
 a float32 torch evaluation (rel. L2 error).
 
 Run from the repository root on the GPU machine:
-    python3 benchmarks/cascade.py [--out $OUT] [--no-peers] [--only target,sweep]
+    python3 benchmarks/cascade.py [--out $OUT] [--no-peers] [--only target,sweep,prefill]
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ HQ, HKV, D, PAGE = 32, 8, 128, 16
 REQUESTS = 64
 TARGET_PREFIX = 32768
 SWEEP = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+PREFILL = (16, 256, 16384)  # requests, new tokens each, shared prefix
 
 
 def suffix_lengths(n: int) -> np.ndarray:
@@ -63,7 +66,7 @@ def make_table(prefix: int, suffix: np.ndarray):
 
 
 def reference(torch, q, k, v, kv_indptr, kv_indices, kv_lens):
-    """float32 attention of each request's one query over its pages."""
+    """float32 attention of each request's last query (q [batch, HQ, D]) over its pages."""
     outs = []
     for b, n in enumerate(kv_lens):
         pages = torch.from_numpy(kv_indices[kv_indptr[b]:kv_indptr[b + 1]]).long().cuda()
@@ -76,7 +79,7 @@ def reference(torch, q, k, v, kv_indptr, kv_indices, kv_lens):
 
 def main() -> int:
     p = C.base_parser(__doc__.split("\n\n")[0], budget=420, max_seconds=3,
-                      names_help="Workloads: target, sweep.")
+                      names_help="Workloads: target, sweep, prefill.")
     args = p.parse_args()
     torch = C.require_cuda()
     al = C.import_attnlang()
@@ -92,35 +95,41 @@ def main() -> int:
     suffix = suffix_lengths(REQUESTS)
     max_pages = (max(SWEEP) + int(suffix.max()) + PAGE) // PAGE * REQUESTS
     attn = al.BatchAttention(causal, HQ, HKV, D, page_size=PAGE, cascade=True,
-                             max_batch_size=REQUESTS, max_total_q=REQUESTS,
+                             max_batch_size=REQUESTS, max_total_q=PREFILL[0] * PREFILL[1],
                              max_kv_indices=max_pages)
     gen = torch.Generator(device="cuda")
     gen.manual_seed(0)
-    q = torch.randn(REQUESTS, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
-    qo_indptr = np.arange(REQUESTS + 1, dtype=np.int32)
     rows, t0 = [], time.perf_counter()
-    work = []
-    if "target" in only.select(["target", "sweep"]):
-        work.append(("target", TARGET_PREFIX))
-    if "sweep" in only.select(["target", "sweep"]):
-        work += [("sweep", p) for p in SWEEP if p != TARGET_PREFIX or not work]
-    for kind, prefix in work:
+    work = []  # (kind, prefix, requests, new tokens per request: 1 for a decode step)
+    kinds = only.select(["target", "sweep", "prefill"])
+    if "target" in kinds:
+        work.append(("target", TARGET_PREFIX, REQUESTS, 1))
+    if "sweep" in kinds:
+        work += [("sweep", p, REQUESTS, 1) for p in SWEEP if p != TARGET_PREFIX or not work]
+    if "prefill" in kinds:
+        work.append(("prefill", PREFILL[2], PREFILL[0], PREFILL[1]))
+    for kind, prefix, n, qo_len in work:
         if time.perf_counter() - t0 > args.budget:
             C.log(f"P={prefix}: skipped (budget {args.budget:g} s spent)")
             continue
-        kv_indptr, kv_indices, last, kv_lens, p_pages, s_table = make_table(prefix, suffix)
+        own = suffix[:n] if qo_len == 1 else np.full(n, qo_len)
+        kv_indptr, kv_indices, last, kv_lens, p_pages, s_table = make_table(prefix, own)
         num_pages = int(kv_indices.max()) + 1
         k = torch.randn(num_pages, PAGE, HKV, D, generator=gen, device="cuda",
                         dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        ref = reference(torch, q, k, v, kv_indptr, kv_indices, kv_lens)
+        q = torch.randn(n * qo_len, HQ, D, generator=gen, device="cuda", dtype=torch.bfloat16)
+        qo_indptr = (np.arange(n + 1) * qo_len).astype(np.int32)
+        last_rows = torch.from_numpy(qo_indptr[1:] - 1).long().cuda()
+        ref = reference(torch, q[last_rows], k, v, kv_indptr, kv_indices, kv_lens)
         table = (qo_indptr, kv_indptr, kv_indices, last)
         kv_bytes = int(kv_lens.sum()) * HKV * D * 4
-        unique_bytes = (prefix + int(suffix.sum())) * HKV * D * 4
-        row = {"workload": f"{kind} P={prefix}", "prefix": prefix,
-               "kv_gb": kv_bytes / 1e9, "unique_gb": unique_bytes / 1e9}
-        modes = [("plain", False), ("cascade", [(0, REQUESTS, prefix)] if prefix else None)]
-        if kind == "sweep":
+        unique_bytes = (prefix + int(own.sum())) * HKV * D * 4
+        label = f"{kind} P={prefix}" + (f" {n}x{qo_len}" if qo_len > 1 else "")
+        row = {"workload": label, "prefix": prefix, "kv_gb": kv_bytes / 1e9,
+               "unique_gb": unique_bytes / 1e9}
+        modes = [("plain", False), ("cascade", [(0, n, prefix)] if prefix else None)]
+        if kind != "target":
             modes.append(("auto", "auto"))
         out = torch.empty_like(q)
         for name, cascade in modes:
@@ -129,35 +138,37 @@ def main() -> int:
             plan = attn.plan(*table, cascade=cascade)
             row[f"{name}_levels"] = 0 if plan.cascade is None else plan.cascade_groups.count
             attn.run(q, (k, v), out=out)
-            row[f"{name}_err"] = C.rel_l2(out, ref)
-            t = float(C.bench_graph(lambda kv=(k, v), out=out: attn.run(q, kv, out=out),
+            row[f"{name}_err"] = C.rel_l2(out[last_rows], ref)
+            t = float(C.bench_graph(lambda q=q, kv=(k, v), out=out: attn.run(q, kv, out=out),
                                     warmup=warmup, reps=reps, max_seconds=args.max_seconds))
             row[f"{name}_ms"] = t * 1e3
             C.log(f"P={prefix} attnlang {name}: {t * 1e3:.3f} ms "
                   f"({row[f'{name}_levels']} levels), err {row[f'{name}_err']:.1e}")
-        if fi is not None and prefix and kind == "target":
+        if fi is not None and prefix and kind != "sweep":
             try:
                 ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
                 w = fi.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
                 i32 = dict(dtype=torch.int32, device="cuda")
                 s_indptr, s_indices, s_last = s_table
-                w.plan([torch.tensor([0, REQUESTS], **i32), torch.arange(REQUESTS + 1, **i32)],
+                w.plan([torch.tensor([0, n * qo_len], **i32),
+                        torch.from_numpy(qo_indptr).cuda()],
                        [torch.tensor([0, p_pages], **i32), torch.from_numpy(s_indptr).cuda()],
                        [torch.arange(p_pages, **i32), torch.from_numpy(s_indices).cuda()],
                        [torch.tensor([PAGE], **i32), torch.from_numpy(s_last).cuda()],
-                       HQ, HKV, D, PAGE, causal=False, q_data_type=torch.bfloat16,
+                       HQ, HKV, D, PAGE, causal=qo_len > 1, q_data_type=torch.bfloat16,
                        kv_data_type=torch.bfloat16)
                 fo = w.run(q, (k, v))
-                row["fi_err"] = C.rel_l2(fo, ref)
+                row["fi_err"] = C.rel_l2(fo[last_rows], ref)
                 try:
-                    t = float(C.bench_graph(lambda w=w, kv=(k, v): w.run(q, kv),
+                    t = float(C.bench_graph(lambda w=w, q=q, kv=(k, v): w.run(q, kv),
                                             warmup=warmup, reps=reps,
                                             max_seconds=args.max_seconds))
                     row["fi_how"] = "graph"
                 except Exception as e:  # noqa: BLE001 - its run() may not capture
                     C.log(f"  flashinfer graph failed ({C.short_error(e)}): plain calls")
                     torch.cuda.synchronize()
-                    t = float(C.bench(lambda w=w, kv=(k, v): w.run(q, kv), warmup=warmup,
+                    t = float(C.bench(lambda w=w, q=q, kv=(k, v): w.run(q, kv),
+                                      warmup=warmup,
                                       reps=reps, max_seconds=args.max_seconds))
                     row["fi_how"] = "plain"
                 row["fi_ms"] = t * 1e3
@@ -189,8 +200,9 @@ def main() -> int:
             ("vs_fi", "al/FI"), ("gbs", f"cascade GB/s (distinct KV; copy {copy_bw / 1e9:.0f})"),
             ("err", "err al casc / plain / FI"), ("note", "note")]
     print(C.format_table(table, cols, title=(
-        f"Shared-prefix cascade: {REQUESTS} x 1 query, suffix median 512, 32/8 heads, d128, "
-        f"page {PAGE}, bf16 (auto: levels past {CASCADE_MIN_KV} positions)")))
+        f"Shared-prefix cascade: {REQUESTS} x 1 query (prefill: {PREFILL[0]} x {PREFILL[1]}), "
+        f"suffix median 512, 32/8 heads, d128, page {PAGE}, bf16 (auto: levels past "
+        f"{CASCADE_MIN_KV} positions)")))
     if args.out:
         import json
         from pathlib import Path

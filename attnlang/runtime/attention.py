@@ -105,7 +105,9 @@ class BatchAttention:
             allocated once here so its pointers never move (CUDA graphs).
         max_work_items, max_partial_rows, max_merge_rows: planner capacities; by default
             the worst case for (max_batch_size, max_total_q) with automatic KV splitting,
-            so only a kv_chunk_size override in plan() can exceed them.
+            so only a kv_chunk_size override in plan() can exceed them (with cascade=True,
+            sized for one shared level: every grouped row merges, two partial states more
+            per (token, head); nested levels may need more, plan() says which bound).
         arch: target of the compile (default: the device's; sm_90a on H100).
         num_ctas: CTAs of the decode grid (default: SMs x occupancy, at most 4 per SM) and,
             when given, of the prefill grid too.
@@ -125,6 +127,10 @@ class BatchAttention:
             head, before any hook sees it: run() then takes k_scale and v_scale, each a
             float (one scale for the tensor) or a float32 device array [num_kv_heads], and q,
             out stay in dtype. See the README's "fp8 KV cache".
+        cascade: also build the cascade kernel, so plan() can attend a prefix that several
+            requests' page lists share once for all their queries (plan()'s `cascade`;
+            the README's "Shared-prefix cascades"). Refused for a variant whose key or value
+            hook reads `batch`, `qo_len` or `kv_len`.
 
     Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
     rows per work item) or, when it has more than prefill_min_rows fused rows
@@ -266,22 +272,24 @@ class BatchAttention:
         worst = worst_case_mixed_bounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             num_kv_heads=s.num_kv_heads, group_size=s.group_size, **self._tilings)
-        worst_partial = worst.max_partial_rows
+        worst_partial, worst_merge = worst.max_partial_rows, worst.max_merge_rows
         if cascade:
             # A cascade level is a prefill list over its groups (at most a batch of them,
-            # max_total_q rows each level: one level by default sizing), and every row of a
-            # grouped request writes one more partial state where it would not split.
+            # max_total_q tokens: the default sizing holds one level), and every row of a
+            # grouped request writes a partial state in it and in its own list even where
+            # neither splits: two more rows per (token, head).
             shared = planner.worst_case_bounds(
                 max_batch_size=max_batch_size, max_total_q=max_total_q,
                 num_kv_heads=s.num_kv_heads, group_size=s.group_size,
                 rows_per_tile=self._tilings["prefill"].rows_per_tile,
                 num_ctas=self.num_prefill_ctas)
-            worst_partial += shared.max_partial_rows + max_total_q * s.num_qo_heads
+            worst_partial += shared.max_partial_rows + 2 * max_total_q * s.num_qo_heads
+            worst_merge = max_total_q * s.num_qo_heads  # then every row may merge
         self.bounds = PlanBounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             max_work_items=max_work_items or worst.max_work_items,
             max_partial_rows=max_partial_rows or worst_partial,
-            max_merge_rows=max_merge_rows or worst.max_merge_rows,
+            max_merge_rows=max_merge_rows or worst_merge,
         )
         self.max_kv_indices = int(max_kv_indices)
         self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,

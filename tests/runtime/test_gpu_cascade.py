@@ -78,7 +78,7 @@ def run_cascade(cp, variant_id, qo, kv, shared, *, num_qo_heads=8, num_kv_heads=
         attn = attnlang.BatchAttention(
             variant, num_qo_heads, num_kv_heads, head_dim, dtype=dtype, page_size=page_size,
             head_dim_vo=head_dim_vo, kv_dtype=kv_dtype, cascade=True,
-            max_batch_size=max(4, len(qo)), max_total_q=max(16, int(qo.sum())),
+            max_batch_size=max(4, len(qo)), max_total_q=int(qo.sum()),
             max_kv_indices=max(1 << 12, len(batch.kv_indices)))
     plan_params, params = split_params(variant, params)
     if cascade is None:  # the levels the test built, whatever their size
@@ -145,6 +145,14 @@ def test_cascade_matches_reference(cp, case, error_log):
     run_cascade(cp, variant_id, qo, kv, shared, num_qo_heads=2 * group, num_kv_heads=2,
                 head_dim=head_dim, dtype=dtype, page_size=page_size, seed=len(case),
                 error_log=error_log, where=f"cascade {'-'.join(map(str, case))}")
+
+
+def test_cascade_default_capacities_hold_a_full_batch(cp, error_log):
+    # Every row of a grouped request merges: max_total_q prompt tokens in one group must fit
+    # the default workspace (max_total_q x heads merge rows).
+    qo, kv = (64, 64, 64, 64), (900, 800, 950, 700)
+    run_cascade(cp, "causal", qo, kv, ((0, 4, 40),), error_log=error_log,
+                where="cascade full batch")
 
 
 def test_cascade_fp8_cache(cp, error_log):
