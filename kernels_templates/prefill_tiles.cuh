@@ -161,9 +161,9 @@ __device__ __forceinline__ void load_tile(const unsigned k_stage, const unsigned
 
 // (kKvFp8) The chunks of load_tile's mapping for kLoaders row groups (those this thread
 // copied, or with a producer a share of the tile: a chunk's bytes sit in the chunk itself, so
-// any thread may convert it), from e4m3 to T times the KV head's scales, in place, once the
-// copies have landed; every row, so rows past kv_end become zeros as a T cache's zero-fill
-// leaves them.
+// any thread may convert it), from e4m3 to T times the KV head's scales (kFoldScales: without
+// them, which q and the output carry instead), in place, once the copies have landed; every
+// row, so rows past kv_end become zeros as a T cache's zero-fill leaves them.
 template <int kLoaders>
 __device__ __forceinline__ void dequantize_tile(T* k_stage, T* v_stage, const int group_id,
                                                 const int tx, const float2 scale) {
@@ -172,11 +172,21 @@ __device__ __forceinline__ void dequantize_tile(T* k_stage, T* v_stage, const in
     const int key = group_id + pass * kLoaders;
 #pragma unroll
     for (int c = 0; c < kLaneChunks; ++c) {
-      dequantize8(k_stage + swizzle<kTileKeys>(key, tx * kLaneChunks + c), scale.x);
+      T* const chunk = k_stage + swizzle<kTileKeys>(key, tx * kLaneChunks + c);
+      if constexpr (kFoldScales) {
+        convert8(chunk);
+      } else {
+        dequantize8(chunk, scale.x);
+      }
     }
 #pragma unroll
     for (int c = 0; c < kLaneChunksVO; ++c) {
-      dequantize8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, tx * kLaneChunksVO + c), scale.y);
+      T* const chunk = v_stage + swizzle<kTileKeys, kHeadDimVO>(key, tx * kLaneChunksVO + c);
+      if constexpr (kFoldScales) {
+        convert8(chunk);
+      } else {
+        dequantize8(chunk, scale.y);
+      }
     }
   }
 }
