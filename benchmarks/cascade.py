@@ -203,14 +203,7 @@ def main() -> int:
         f"Shared-prefix cascade: {REQUESTS} x 1 query (prefill: {PREFILL[0]} x {PREFILL[1]}), "
         f"suffix median 512, 32/8 heads, d128, page {PAGE}, bf16 (auto: levels past "
         f"{CASCADE_MIN_KV} positions)")))
-    if args.out:
-        import json
-        from pathlib import Path
-
-        out = Path(args.out)
-        path = out / "cascade.json" if out.suffix != ".json" else out
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1, default=float))
+    C.write_rows(args.out, "cascade", rows)
     return 0
 
 

@@ -708,6 +708,18 @@ def format_table(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, st
 # ---------------------------------------------------------------------------- results
 
 
+def write_rows(out: str | None, name: str, rows: Any) -> None:
+    """A benchmark's rows as JSON at --out: a folder (then NAME.json in it) or a .json path;
+    nothing without --out."""
+    if not out:
+        return
+    path = Path(out)
+    if path.suffix != ".json":
+        path = path / f"{name}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(rows, indent=1, default=float))
+
+
 def _json_default(x: Any) -> Any:
     if isinstance(x, Timing):
         return {"median_s": float(x), "reps": x.reps, "requested": x.requested,

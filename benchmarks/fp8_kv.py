@@ -232,14 +232,7 @@ def main() -> int:
             ("err", "err fp8 / bf16"), ("note", "note")]
     print(C.format_table(table, cols, title=f"fp8 KV cache (copy {copy_bw / 1e9:.0f} GB/s; "
                                              "CUDA-graph replay)"))
-    if args.out:
-        import json
-        from pathlib import Path
-
-        out = Path(args.out)
-        path = out / "fp8_kv.json" if out.suffix != ".json" else out
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(rows, indent=1, default=float))
+    C.write_rows(args.out, "fp8_kv", rows)
     return 0
 
 
