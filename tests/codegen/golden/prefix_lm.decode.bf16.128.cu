@@ -69,6 +69,7 @@
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
 //   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
 //   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
@@ -749,6 +750,28 @@ __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   store8<T>(chunk, x);
 }
 
+// dequantize8 without the scale (the kernel applies it elsewhere): into half on sm_89+ the
+// hardware's f16x2 are the values already; other types through float.
+template <typename T>
+__device__ __forceinline__ void convert8(T* chunk) {
+  dequantize8(chunk, 1.0f);
+}
+
+template <>
+__device__ __forceinline__ void convert8<half>(half* chunk) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
+  uint4 out;
+  asm("{\n.reg .b16 a, b, c, d;\nmov.b32 {a, b}, %4;\nmov.b32 {c, d}, %5;\n"
+      "cvt.rn.f16x2.e4m3x2 %0, a;\ncvt.rn.f16x2.e4m3x2 %1, b;\n"
+      "cvt.rn.f16x2.e4m3x2 %2, c;\ncvt.rn.f16x2.e4m3x2 %3, d;\n}\n"
+      : "=r"(out.x), "=r"(out.y), "=r"(out.z), "=r"(out.w) : "r"(raw.x), "r"(raw.y));
+  *reinterpret_cast<uint4*>(chunk) = out;
+#else
+  dequantize8(chunk, 1.0f);
+#endif
+}
+
 // ---------------------------------------------------------------------------- fast divmod
 
 // n / d and n % d for 0 <= n < 2^31 and a run-time 1 <= d < 2^31 (Granlund-Montgomery):
@@ -1103,7 +1126,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/prefix_lm.attn"
   return ((ix.kv_pos < attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0)) || (ix.kv_pos <= ix.q_pos));
 }
-#line 1107 "prefix_lm_decode.cu"
+#line 1130 "prefix_lm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1113,7 +1136,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 8 "examples/prefix_lm.attn"
   return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0))), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1117 "prefix_lm_decode.cu"
+#line 1140 "prefix_lm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 struct Uniform { int v[1]; };
