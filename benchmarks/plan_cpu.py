@@ -32,7 +32,8 @@ from attnlang.runtime.attention import (  # noqa: E402
     validate_plan_inputs,
     workspace_layout,
 )
-from attnlang.runtime.planner import PlanBounds, Tiling, plan_mixed, worst_case_mixed_bounds  # noqa: E402
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed, worst_case_mixed_bounds  # noqa: E402
+from attnlang.runtime.planner import PlanBounds  # noqa: E402
 
 HQ, HKV, HEAD_DIM, PAGE, DTYPE = 32, 8, 128, 16, "bfloat16"
 NUM_SMS = 132  # H100 SXM

@@ -3,7 +3,7 @@
 The split of work follows FlashInfer's plan/run API:
 
 - ``plan(qo_indptr, kv_indptr, kv_indices, kv_last_page_len)`` validates the batch layout
-  (host arrays), schedules it (`planner.plan_mixed`), and copies the plan and the page table
+  (host arrays), schedules it (`plan_mixed.plan_mixed`), and copies the plan and the page table
   into a device workspace allocated once at construction, with one host-to-device copy from
   a pinned staging buffer, on the current stream.
 - ``run(q, (k_cache, v_cache), params)`` validates every input before anything is launched
@@ -46,15 +46,8 @@ from attnlang.runtime.arrays import (
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
 from attnlang.runtime.module import KernelModule
-from attnlang.runtime.planner import (
-    BatchPlan,
-    CapacityError,
-    PlanBounds,
-    PlanError,
-    Tiling,
-    plan_mixed,
-    worst_case_mixed_bounds,
-)
+from attnlang.runtime.plan_mixed import BatchPlan, Tiling, plan_mixed, worst_case_mixed_bounds
+from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
 from attnlang.runtime.validate import (
     AttentionShape,
     PlanInputs,
@@ -136,7 +129,7 @@ class BatchAttention:
     rows per work item) or, when it has more than prefill_min_rows fused rows
     (qo_len * group; by default more than 3, so GQA groups of 4 or more decode on tensor
     cores), in the prefill kernel (tensor cores, 128-row tiles); a batch may mix both
-    (planner.plan_mixed). Split requests of either kind merge in one merge kernel.
+    (`plan_mixed`). Split requests of either kind merge in one merge kernel.
 
     Streams: plan() copies on CuPy's current stream; run() launches on the caller's current
     stream (torch's for torch tensors) after waiting for the last plan's copy, and plan()

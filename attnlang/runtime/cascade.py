@@ -14,7 +14,7 @@ sharing more, [kv_to, kv_to'), and so on (the longest-common-prefix intervals of
 page lists). Pure CPU and deterministic, like the planner.
 
 >>> import numpy as np
->>> from attnlang.runtime.planner import Tiling
+>>> from attnlang.runtime.plan_mixed import Tiling
 >>> kv_indptr, kv_indices = np.array([0, 3, 6, 7]), np.array([7, 8, 9, 7, 8, 4, 5])
 >>> lcp = adjacent_shared(kv_indptr, kv_indices, np.array([40, 45, 16]), page_size=16)
 >>> lcp.tolist()   # requests 0 and 1 share pages 7, 8: 32 positions
@@ -35,8 +35,10 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from attnlang.runtime import plan_mixed as mixed
 from attnlang.runtime import planner
-from attnlang.runtime.planner import BatchPlan, PlanBounds, PlanError, Tiling
+from attnlang.runtime.plan_mixed import BatchPlan, Tiling
+from attnlang.runtime.planner import PlanBounds, PlanError
 
 __all__ = ["CASCADE_MIN_KV", "CascadeGroups", "adjacent_shared", "find_groups",
            "explicit_groups", "plan_cascade"]
@@ -202,7 +204,7 @@ def plan_cascade(qo_lens, kv_lens, groups: CascadeGroups, *, num_kv_heads: int,
     for f, e, to in zip(groups.first, groups.end, groups.kv_to, strict=True):
         kv_from[f:e] = np.maximum(kv_from[f:e], to)
         grouped[f:e] = True
-    rest = planner.plan_mixed(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
+    rest = mixed.plan_mixed(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
                               decode=decode, prefill=prefill, prefill_min_rows=prefill_min_rows,
                               min_kv_chunk=min_kv_chunk, kv_chunk_size=kv_chunk_size,
                               bounds=bounds, mask=mask, head_dim=head_dim, pairs=pairs,
@@ -218,7 +220,7 @@ def plan_cascade(qo_lens, kv_lens, groups: CascadeGroups, *, num_kv_heads: int,
         group_qo, groups.kv_to, num_kv_heads=num_kv_heads, group_size=group_size,
         rows_per_tile=prefill.rows_per_tile, num_ctas=prefill.num_ctas,
         min_kv_chunk=min_kv_chunk, kv_align=prefill.kv_align, kv_chunk_size=kv_chunk_size,
-        bounds=planner._list_bounds(bounds.max_work_items), mask=None, head_dim=head_dim,
+        bounds=mixed._list_bounds(bounds.max_work_items), mask=None, head_dim=head_dim,
         lens32=(planner._frozen(group_qo), planner._frozen(groups.kv_to)),
         kv_from=groups.kv_from, force_split=np.ones(groups.count, dtype=bool))
 

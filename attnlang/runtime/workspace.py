@@ -18,7 +18,8 @@ import numpy as np
 
 from attnlang import ir
 from attnlang.runtime.arrays import TensorInfo
-from attnlang.runtime.planner import BatchPlan, Plan, PlanBounds
+from attnlang.runtime.plan_mixed import BatchPlan
+from attnlang.runtime.planner import Plan, PlanBounds
 from attnlang.runtime.validate import PlanInputs
 
 __all__ = ["WorkspaceLayout", "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs"]

@@ -2,7 +2,7 @@
 
 Builds on tests/codegen/emulator.py (threads, barriers, shuffles, cp.async, half/bf16): this
 module adds the prefill kernel's warp collectives (emulator_prefill_shim.h: ldmatrix, mma,
-ballot), maps its inline PTX onto them, and plans with `planner.plan_mixed`, so a mixed batch
+ballot), maps its inline PTX onto them, and plans with `plan_mixed.plan_mixed`, so a mixed batch
 runs each request in the kernel the runtime would pick.
 
 What this checks beyond the decode emulation: mma / ldmatrix fragment indexing, the
@@ -29,7 +29,7 @@ from attnlang.codegen.config import launch_config
 from attnlang.codegen.lower import lower
 from attnlang.codegen.render import render
 from attnlang.runtime import cascade as cascades
-from attnlang.runtime.planner import Tiling, plan_mixed
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed
 from tests.codegen import emulator as base
 
 SHIM = Path(__file__).with_name("emulator_prefill_shim.h")

@@ -19,7 +19,8 @@ from attnlang.runtime.cascade import (
     find_groups,
     plan_cascade,
 )
-from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError, Tiling
+from attnlang.runtime.plan_mixed import Tiling
+from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
 
 DECODE, PREFILL = Tiling(4, 16, 32), Tiling(64, 8, 64)
 
@@ -173,7 +174,7 @@ def test_cascade_plan_is_deterministic_and_bounded():
 
 
 def test_no_groups_is_the_mixed_plan():
-    from attnlang.runtime.planner import plan_mixed
+    from attnlang.runtime.plan_mixed import plan_mixed
 
     qo, kv = np.array([1, 5, 1]), np.array([300, 400, 20])
     plain = plan_mixed(qo, kv, num_kv_heads=2, group_size=4, decode=DECODE, prefill=PREFILL)

@@ -28,7 +28,7 @@ from attnlang.reference import attention_paged
 from attnlang.runtime.arrays import bfloat16_bits_to_float, float_to_bfloat16_bits, round_to_dtype
 from attnlang.runtime.merge import merge_states_reference
 from attnlang.runtime.paged import indptr_from_lengths, ragged_to_paged
-from attnlang.runtime.planner import Tiling, plan_mixed
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed
 from tests.codegen.emulator import random_pair_mask
 from tests.variant_files import VARIANT_FILES, VARIANT_IDS
 

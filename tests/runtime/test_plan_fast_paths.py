@@ -16,7 +16,8 @@ import pytest
 
 import attnlang as al
 from attnlang.runtime import plan_assign, plan_trim, planner
-from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed
+from attnlang.runtime.planner import plan_batch
 
 
 def _ceil(a: int, b: int) -> int:

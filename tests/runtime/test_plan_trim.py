@@ -8,7 +8,8 @@ import pytest
 import attnlang as al
 from attnlang import interpret, ir
 from attnlang.runtime import pairmask, plan_trim, planner
-from attnlang.runtime.planner import Tiling, plan_batch, plan_mixed
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed
+from attnlang.runtime.planner import plan_batch
 from tests.codegen.test_mask_tiles import VARIANTS, random_params
 
 NUM_KV_HEADS, GROUP, HEAD_DIM = 2, 4, 64

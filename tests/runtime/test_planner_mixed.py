@@ -4,15 +4,8 @@ No GPU needed."""
 import numpy as np
 import pytest
 
-from attnlang.runtime.planner import (
-    PREFILL_MIN_ROWS,
-    CapacityError,
-    PlanBounds,
-    PlanError,
-    Tiling,
-    plan_mixed,
-    worst_case_mixed_bounds,
-)
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed, worst_case_mixed_bounds
+from attnlang.runtime.planner import PREFILL_MIN_ROWS, CapacityError, PlanBounds, PlanError
 
 DECODE, PREFILL = Tiling(4, 16, 32), Tiling(64, 8, 64)
 # Up to 4 queries per request (16 fused rows at group 4) in the decode list, so batches mix
