@@ -13,12 +13,13 @@ Rows: P = 32768 (the issue's target: >= 10x over no cascade, ahead of FlashInfer
 sweep of P from 0 to 65536 (attnlang's cascade forced, and what "auto" picks) showing where
 the cascade starts to pay; then prefill: 16 requests of 256 new tokens each (their own
 part: causal among themselves) over a shared prefix of 16384, where the cascade saves
-reads but no tensor-core work. CUDA-graph replay for attnlang; FlashInfer as CUDA graph where
-its run() captures, else plain calls (the row says which). Outputs are checked first against
-a float32 torch evaluation (rel. L2 error).
+reads but no tensor-core work; then small groups (2-16 one-query requests sharing 256-4096
+tokens), where merging every row weighs most against the reads saved. CUDA-graph replay for
+attnlang; FlashInfer as CUDA graph where its run() captures, else plain calls (the row says
+which). Outputs are checked first against a float32 torch evaluation (rel. L2 error).
 
 Run from the repository root on the GPU machine:
-    python3 benchmarks/cascade.py [--out $OUT] [--no-peers] [--only target,sweep,prefill]
+    python3 benchmarks/cascade.py [--out $OUT] [--no-peers] [--only target,sweep,prefill,groups]
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ REQUESTS = 64
 TARGET_PREFIX = 32768
 SWEEP = (0, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
 PREFILL = (16, 256, 16384)  # requests, new tokens each, shared prefix
+GROUPS = ((2, 4, 8, 16), (256, 1024, 4096))  # small groups: requests x shared prefixes
 
 
 def suffix_lengths(n: int) -> np.ndarray:
@@ -79,7 +81,7 @@ def reference(torch, q, k, v, kv_indptr, kv_indices, kv_lens):
 
 def main() -> int:
     p = C.base_parser(__doc__.split("\n\n")[0], budget=420, max_seconds=3,
-                      names_help="Workloads: target, sweep, prefill.")
+                      names_help="Workloads: target, sweep, prefill, groups.")
     args = p.parse_args()
     torch = C.require_cuda()
     al = C.import_attnlang()
@@ -101,13 +103,15 @@ def main() -> int:
     gen.manual_seed(0)
     rows, t0 = [], time.perf_counter()
     work = []  # (kind, prefix, requests, new tokens per request: 1 for a decode step)
-    kinds = only.select(["target", "sweep", "prefill"])
+    kinds = only.select(["target", "sweep", "prefill", "groups"])
     if "target" in kinds:
         work.append(("target", TARGET_PREFIX, REQUESTS, 1))
     if "sweep" in kinds:
         work += [("sweep", p, REQUESTS, 1) for p in SWEEP if p != TARGET_PREFIX or not work]
     if "prefill" in kinds:
         work.append(("prefill", PREFILL[2], PREFILL[0], PREFILL[1]))
+    if "groups" in kinds:
+        work += [("groups", p, n, 1) for n in GROUPS[0] for p in GROUPS[1]]
     for kind, prefix, n, qo_len in work:
         if time.perf_counter() - t0 > args.budget:
             C.log(f"P={prefix}: skipped (budget {args.budget:g} s spent)")
@@ -125,7 +129,7 @@ def main() -> int:
         table = (qo_indptr, kv_indptr, kv_indices, last)
         kv_bytes = int(kv_lens.sum()) * HKV * D * 4
         unique_bytes = (prefix + int(own.sum())) * HKV * D * 4
-        label = f"{kind} P={prefix}" + (f" {n}x{qo_len}" if qo_len > 1 else "")
+        label = f"{kind} P={prefix}" + (f" {n}x{qo_len}" if qo_len > 1 or n != REQUESTS else "")
         row = {"workload": label, "prefix": prefix, "kv_gb": kv_bytes / 1e9,
                "unique_gb": unique_bytes / 1e9}
         modes = [("plain", False), ("cascade", [(0, n, prefix)] if prefix else None)]
@@ -144,7 +148,7 @@ def main() -> int:
             row[f"{name}_ms"] = t * 1e3
             C.log(f"P={prefix} attnlang {name}: {t * 1e3:.3f} ms "
                   f"({row[f'{name}_levels']} levels), err {row[f'{name}_err']:.1e}")
-        if fi is not None and prefix and kind != "sweep":
+        if fi is not None and prefix and kind in ("target", "prefill"):
             try:
                 ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
                 w = fi.MultiLevelCascadeAttentionWrapper(2, ws, "NHD")
