@@ -9,6 +9,8 @@ a row that is not merged must come from one unsplit item covering all of them.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 
@@ -69,9 +71,11 @@ def test_explicit_groups_are_checked_against_the_page_table():
             explicit_groups(bad, lcp, qo, kv)
 
 
-def coverage(plan, qo, kv, num_kv_heads, group_size):
+def coverage(plan, qo, kv, num_kv_heads, group_size, window=None):
     """For every (token, head): the KV positions its states cover (list of ranges), and
-    whether it is merged. Items are read back through their lists' fields."""
+    whether it is merged. Items are read back through their lists' fields. With a sliding
+    window (the plan trimmed by its mask) the ranges must be disjoint and hold every visible
+    position; without, they must be exactly [0, kv_len)."""
     num_heads = num_kv_heads * group_size
     qo_start = np.concatenate(([0], np.cumsum(qo)))
     token_req = np.repeat(np.arange(len(qo)), qo)
@@ -119,12 +123,20 @@ def coverage(plan, qo, kv, num_kv_heads, group_size):
         for h in range(num_heads):
             key = (t, h)
             assert (key in seen) != (key in direct), key
-            ranges = sorted(seen.get(key) or direct[key])
-            want, at = int(kv[token_req[t]]), 0
-            for a, b in ranges:  # contiguous, disjoint, from 0 to kv_len
-                assert a == at or a == b, (key, ranges)
-                at = max(at, b)
-            assert at == want, (key, ranges, want)
+            ranges = [r for r in sorted(seen.get(key) or direct[key]) if r[0] < r[1]]
+            for (_, b0), (a1, _) in pairwise(ranges):
+                assert b0 <= a1, (key, ranges)  # no position seen twice
+            b = token_req[t]
+            q_pos = int(kv[b] - qo[b] + t - qo_start[b])
+            lo, hi = (0, int(kv[b])) if window is None else (max(0, q_pos - window + 1), q_pos + 1)
+            at = lo
+            for a, e in ranges:  # every position of [lo, hi) in a range
+                if a <= at < e:
+                    at = e
+            assert at >= hi, (key, ranges, lo, hi)
+            if window is None:
+                assert ranges[0][0] == 0 and ranges[-1][1] == hi and all(
+                    b0 == a1 for (_, b0), (a1, _) in pairwise(ranges)), (key, ranges)
     return seen
 
 
@@ -180,3 +192,22 @@ def test_no_groups_is_the_mixed_plan():
     plain = plan_mixed(qo, kv, num_kv_heads=2, group_size=4, decode=DECODE, prefill=PREFILL)
     assert plan_cascade(qo, kv, _groups([]), num_kv_heads=2, group_size=4, decode=DECODE,
                         prefill=PREFILL).same_as(plain)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cascade_plan_with_a_trimming_mask(seed):
+    # A sliding window trims each request's own units (plan_trim) after kv_from cut them at
+    # the shared level's end: every visible position is still seen exactly once.
+    import attnlang
+
+    v = attnlang.parse("variant w\nmask = causal and q_pos - kv_pos < 300\n")
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(4, 10))
+    qo = rng.choice([1, 1, 5, 40], batch)
+    kv = qo + rng.integers(200, 1500, batch)
+    share = int(kv.min() * rng.uniform(0.3, 1.0))
+    groups = _groups([(0, batch, 0, share)])
+    plan = plan_cascade(qo, kv, groups, num_kv_heads=2, group_size=4, decode=DECODE,
+                        prefill=PREFILL, kv_chunk_size=int(rng.choice([97, 1000])), mask=v.mask,
+                        head_dim=128, own_in_cascade=bool(seed % 2))
+    coverage(plan, qo, kv, 2, 4, window=300)
