@@ -425,7 +425,8 @@ class BatchAttention:
                       **self._tilings, prefill_min_rows=self.prefill_min_rows,
                       kv_chunk_size=kv_chunk_size, bounds=self.bounds, mask=self._mask,
                       head_dim=self.shape.head_dim, pairs=pair_blocks or None)
-        groups = self._cascade_groups(cascade, inputs)
+        groups = cascades.choose_groups(cascade, inputs, self.shape.page_size,
+                                        enabled=self.cascade)
         if groups is None:
             plan = plan_mixed(inputs.qo_lens, inputs.kv_lens, **common)
         else:
@@ -675,26 +676,6 @@ class BatchAttention:
         return values, uploaded
 
     # -- internals
-
-    def _cascade_groups(self, cascade: Any, inputs: PlanInputs):
-        """plan()'s cascade argument -> the shared levels (CascadeGroups), or None."""
-        if cascade is None:
-            cascade = "auto" if self.cascade else False
-        if cascade is False:
-            return None
-        if not self.cascade:
-            raise ValueError("plan(cascade=...) needs the cascade kernel: construct "
-                             "BatchAttention(..., cascade=True)")
-        lcp = cascades.adjacent_shared(inputs.kv_indptr, inputs.kv_indices, inputs.kv_lens,
-                                       self.shape.page_size)
-        if cascade is True or cascade == "auto":
-            groups = cascades.find_groups(lcp)
-        elif isinstance(cascade, str):
-            raise ValueError(f"cascade must be None, 'auto', True, False or a list of "
-                             f"(first_request, end_request, shared_kv), got {cascade!r}")
-        else:
-            groups = cascades.explicit_groups(cascade, lcp, inputs.qo_lens, inputs.kv_lens)
-        return groups if groups.count else None
 
     def _pack_pair_masks(self, params: Mapping[str, Any] | None, inputs: PlanInputs
                          ) -> tuple[dict[str, np.ndarray], dict[str, pairmask.PairBlocks]]:

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -41,7 +42,7 @@ from attnlang.runtime.plan_mixed import BatchPlan, Tiling
 from attnlang.runtime.planner import PlanBounds, PlanError
 
 __all__ = ["CASCADE_MIN_KV", "CascadeGroups", "adjacent_shared", "find_groups",
-           "explicit_groups", "plan_cascade"]
+           "explicit_groups", "choose_groups", "plan_cascade"]
 
 # A group's level pays where it saves at least this many KV positions per extra request:
 # below it, the merge of every row of its requests costs more than the reads it saves
@@ -147,6 +148,32 @@ def explicit_groups(groups: Sequence[Sequence[int]], lcp: np.ndarray, qo_lens: n
                             f"more than the group holding it ({base})")
         chosen.append((first, end, base, shared))
     return _groups(chosen)
+
+
+def choose_groups(cascade: Any, inputs, page_size: int, *, enabled: bool
+                  ) -> CascadeGroups | None:
+    """plan()'s `cascade` argument -> the shared levels to plan, or None for none.
+
+    None: "auto" where the BatchAttention has the cascade kernel (enabled), else none;
+    "auto" or True: `find_groups` over the page table; False: none; else explicit levels,
+    checked (`explicit_groups`). inputs: plan()'s validated `PlanInputs`. Raises ValueError
+    for a cascade asked of a BatchAttention without the kernel, or an unknown string."""
+    if cascade is None:
+        cascade = "auto" if enabled else False
+    if cascade is False:
+        return None
+    if not enabled:
+        raise ValueError("plan(cascade=...) needs the cascade kernel: construct "
+                         "BatchAttention(..., cascade=True)")
+    if isinstance(cascade, str) and cascade != "auto":
+        raise ValueError(f"cascade must be None, 'auto', True, False or a list of "
+                         f"(first_request, end_request, shared_kv), got {cascade!r}")
+    lcp = adjacent_shared(inputs.kv_indptr, inputs.kv_indices, inputs.kv_lens, page_size)
+    if cascade is True or cascade == "auto":
+        groups = find_groups(lcp)
+    else:
+        groups = explicit_groups(cascade, lcp, inputs.qo_lens, inputs.kv_lens)
+    return groups if groups.count else None
 
 
 def _groups(rows: list[tuple[int, int, int, int]]) -> CascadeGroups:

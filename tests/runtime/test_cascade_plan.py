@@ -17,6 +17,7 @@ import pytest
 from attnlang.runtime.cascade import (
     _groups,
     adjacent_shared,
+    choose_groups,
     explicit_groups,
     find_groups,
     plan_cascade,
@@ -211,3 +212,24 @@ def test_cascade_plan_with_a_trimming_mask(seed):
                         prefill=PREFILL, kv_chunk_size=int(rng.choice([97, 1000])), mask=v.mask,
                         head_dim=128, own_in_cascade=bool(seed % 2))
     coverage(plan, qo, kv, 2, 4, window=300)
+
+
+def test_plan_argument():
+    # plan()'s `cascade`: None follows the BatchAttention (auto with the kernel, else none),
+    # False is none, levels are checked, and asking without the kernel says how to get it.
+    from attnlang.runtime.validate import validate_plan_inputs
+
+    pages = [[1, 2, 3, 10], [1, 2, 3, 11], [1, 2, 3, 12], [5]]  # 128-token pages
+    indptr, idx, _ = table(pages, [512] * 3 + [128], 128)
+    inputs = validate_plan_inputs(np.arange(5), indptr, idx, np.full(4, 128), page_size=128)
+    assert groups_of(choose_groups(None, inputs, 128, enabled=True)) == [(0, 3, 0, 384)]
+    assert choose_groups(None, inputs, 128, enabled=False) is None
+    assert choose_groups(False, inputs, 128, enabled=True) is None
+    assert groups_of(choose_groups([(0, 2, 40)], inputs, 128, enabled=True)) == [(0, 2, 0, 40)]
+    assert choose_groups([], inputs, 128, enabled=True) is None
+    with pytest.raises(ValueError, match="cascade=True"):
+        choose_groups("auto", inputs, 128, enabled=False)
+    with pytest.raises(ValueError, match="'auto'"):
+        choose_groups("yes", inputs, 128, enabled=True)
+    with pytest.raises(PlanError, match="share 384 KV positions"):
+        choose_groups([(0, 3, 500)], inputs, 128, enabled=True)
