@@ -45,6 +45,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def cp():
+    """CuPy, for the GPU tests (imported only where they run)."""
+    import cupy
+
+    return cupy
+
+
 # Largest relative L2 error seen by the GPU correctness tests, per dtype (and where), so a
 # run reports them: printed in the terminal summary and, if $ATTNLANG_ERROR_LOG names a file,
 # written there as JSON.

@@ -40,13 +40,6 @@ VARIANT_PATHS = dict(zip(VARIANT_IDS, VARIANT_FILES, strict=True))
 MAX_BATCH, MAX_TOTAL_Q, MAX_KV_INDICES = 8, 512, 1 << 15
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 # ---------------------------------------------------------------------------- the matrix
 
 AXES = {

@@ -37,13 +37,6 @@ from tests.runtime.test_gpu_fp8 import quantize
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def share_pages(batch, shared: tuple[tuple[int, int, int], ...]):
     """Requests [first, end) of each (first, end, pages) begin with the first request's first
     `pages` page ids (a shared prompt: the same cache memory)."""

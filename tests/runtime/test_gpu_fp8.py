@@ -37,13 +37,6 @@ from tests.runtime.test_gpu_attention import (
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def quantize(rng, batch, num_kv_heads: int):
     """The batch's K and V as e4m3 bytes over a scale per KV head near amax / 448 (as a cache
     writer picks it), and the values the kernels see."""

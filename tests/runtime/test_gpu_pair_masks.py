@@ -26,13 +26,6 @@ from tests.runtime.test_gpu_attention import (
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def token_tree(rng, context: int, nodes: int) -> np.ndarray:
     """A random tree's mask (each node's parent an earlier node, or the context's last
     token), as pairmask.tree_mask builds it."""

@@ -42,13 +42,6 @@ from tests.variant_files import VARIANT_IDS
 pytestmark = pytest.mark.gpu
 
 
-@pytest.fixture(scope="module")
-def cp():
-    import cupy
-
-    return cupy
-
-
 def run_and_check(cp, variant, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype,
                   page_size, seed, error_log, where, kv_chunk_size=None, sm_scale=None,
                   expect_prefill=True, expect_decode=None, head_dim_vo=None, **kwargs):
