@@ -262,27 +262,14 @@ class BatchAttention:
                               max(1, int(self._prefill_cfg.kv_tile or 1))),
         }
 
-        worst = worst_case_mixed_bounds(
+        worst = (cascades.worst_case_cascade_bounds if cascade else worst_case_mixed_bounds)(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             num_kv_heads=s.num_kv_heads, group_size=s.group_size, **self._tilings)
-        worst_partial, worst_merge = worst.max_partial_rows, worst.max_merge_rows
-        if cascade:
-            # A cascade level is a prefill list over its groups (at most a batch of them,
-            # max_total_q tokens: the default sizing holds one level), and every row of a
-            # grouped request writes a partial state in it and in its own list even where
-            # neither splits: two more rows per (token, head).
-            shared = planner.worst_case_bounds(
-                max_batch_size=max_batch_size, max_total_q=max_total_q,
-                num_kv_heads=s.num_kv_heads, group_size=s.group_size,
-                rows_per_tile=self._tilings["prefill"].rows_per_tile,
-                num_ctas=self.num_prefill_ctas)
-            worst_partial += shared.max_partial_rows + 2 * max_total_q * s.num_qo_heads
-            worst_merge = max_total_q * s.num_qo_heads  # then every row may merge
         self.bounds = PlanBounds(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
             max_work_items=max_work_items or worst.max_work_items,
-            max_partial_rows=max_partial_rows or worst_partial,
-            max_merge_rows=max_merge_rows or worst_merge,
+            max_partial_rows=max_partial_rows or worst.max_partial_rows,
+            max_merge_rows=max_merge_rows or worst.max_merge_rows,
         )
         self.max_kv_indices = int(max_kv_indices)
         self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,

@@ -42,7 +42,7 @@ from attnlang.runtime.plan_mixed import BatchPlan, Tiling
 from attnlang.runtime.planner import PlanBounds, PlanError
 
 __all__ = ["CASCADE_MIN_KV", "CascadeGroups", "adjacent_shared", "find_groups",
-           "explicit_groups", "choose_groups", "plan_cascade"]
+           "explicit_groups", "choose_groups", "plan_cascade", "worst_case_cascade_bounds"]
 
 # A group's level pays where it saves at least this many KV positions per extra request:
 # below it, the merge of every row of its requests costs more than the reads it saves
@@ -355,6 +355,24 @@ def _own_items_to_cascade(cascade, cascade_item, prefill_list, grouped, qo, kv, 
     new_prefill = replace(prefill_list, work_indptr=k_indptr,
                           **{f: k_block[i] for i, f in enumerate(fields)})
     return new_cascade, new_prefill, np.ascontiguousarray(block[6:].T).ravel()
+
+
+def worst_case_cascade_bounds(*, max_batch_size: int, max_total_q: int, num_kv_heads: int,
+                              group_size: int, decode: Tiling, prefill: Tiling) -> PlanBounds:
+    """`worst_case_mixed_bounds` for plans that may hold one shared level: the level is a
+    prefill list over its groups (at most a batch of them, max_total_q tokens), every row of
+    a grouped request writes a partial state in it and in its own list even where neither
+    splits (two more per (token, head)), and every row may merge. Nested levels can need
+    more; plan_cascade then names the bound."""
+    worst = mixed.worst_case_mixed_bounds(
+        max_batch_size=max_batch_size, max_total_q=max_total_q, num_kv_heads=num_kv_heads,
+        group_size=group_size, decode=decode, prefill=prefill)
+    shared = planner.worst_case_bounds(
+        max_batch_size=max_batch_size, max_total_q=max_total_q, num_kv_heads=num_kv_heads,
+        group_size=group_size, rows_per_tile=prefill.rows_per_tile, num_ctas=prefill.num_ctas)
+    rows = max_total_q * num_kv_heads * group_size  # (token, head) rows
+    return replace(worst, max_partial_rows=worst.max_partial_rows + shared.max_partial_rows
+                   + 2 * rows, max_merge_rows=rows)
 
 
 def _range_min_max(values: np.ndarray, lo: np.ndarray, hi: np.ndarray):

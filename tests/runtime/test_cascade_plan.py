@@ -21,6 +21,7 @@ from attnlang.runtime.cascade import (
     explicit_groups,
     find_groups,
     plan_cascade,
+    worst_case_cascade_bounds,
 )
 from attnlang.runtime.plan_mixed import Tiling
 from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
@@ -233,3 +234,18 @@ def test_plan_argument():
         choose_groups("yes", inputs, 128, enabled=True)
     with pytest.raises(PlanError, match="share 384 KV positions"):
         choose_groups([(0, 3, 500)], inputs, 128, enabled=True)
+
+
+@pytest.mark.parametrize("qo_len", [1, 64, 512], ids=["decode", "chunks", "prompts"])
+def test_default_capacities_hold_a_full_level(qo_len):
+    # BatchAttention(cascade=True)'s default capacities: one group filling max_total_q (every
+    # row merges and writes two more partial states) plans within them, at the H100's shapes.
+    decode, prefill = Tiling(4, 528, 32), Tiling(128, 132, 128)
+    max_total_q, n = 1024, 1024 // qo_len
+    bounds = worst_case_cascade_bounds(max_batch_size=n, max_total_q=max_total_q,
+                                       num_kv_heads=8, group_size=4, decode=decode,
+                                       prefill=prefill)
+    qo, kv = np.full(n, qo_len), np.full(n, 16384 + 700)
+    plan = plan_cascade(qo, kv, _groups([(0, n, 0, 16384)]), num_kv_heads=8, group_size=4,
+                        decode=decode, prefill=prefill, bounds=bounds, own_in_cascade=True)
+    assert plan.cascade is not None and plan.merge_count == max_total_q * 32
