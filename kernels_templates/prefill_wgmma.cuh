@@ -20,9 +20,10 @@ struct PendingPv {
 // 16 kv .. + 15 are two 8-row groups of the V tile (stride 1024 bytes); the head dims run
 // over its column blocks (lead: a block is kTileKeys rows of 128 bytes).
 __device__ __forceinline__ void issue_pv(WarpState& st, const PendingPv& pv) {
+  const unsigned long long v_desc = sw128_desc(pv.v_stage, kTileKeys * 128, 1024);
 #pragma unroll
   for (int kv = 0; kv < kPvSteps; ++kv) {
-    wgmma_pv(st.o_frag[0], pv.p[kv], sw128_desc(pv.v_stage + kv * 16 * 128, kTileKeys * 128, 1024), 1);
+    wgmma_pv(st.o_frag[0], pv.p[kv], desc_at(v_desc, kv * 16 * 128), 1);
   }
   wgmma_commit();
 }
@@ -66,12 +67,14 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
     tile_terms.rows = rows;
   }
   float s_frag[kRowBlocks][kKeyTiles][4];
+  const unsigned long long q_desc = sw128_desc(q_tile, 16, 1024);
+  const unsigned long long k_desc = sw128_desc(k_stage, 16, 1024);
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < kQkSteps; ++kk) {
     const unsigned q_off = (kk >> 2) * (kRows * 128) + (kk & 3) * 32;
     const unsigned k_off = (kk >> 2) * (kTileKeys * 128) + (kk & 3) * 32;
-    wgmma_qk(s_frag[0], sw128_desc(q_tile + q_off, 16, 1024), sw128_desc(k_stage + k_off, 16, 1024),
+    wgmma_qk(s_frag[0], desc_at(q_desc, q_off), desc_at(k_desc, k_off),
              kk > 0);  // the first k-step writes S (its old contents are never read)
   }
   wgmma_commit();

@@ -36,6 +36,16 @@ __device__ __forceinline__ unsigned long long sw128_desc(const unsigned addr, co
          (static_cast<unsigned long long>(stride_bytes >> 4) << 32) | (1ull << 62);
 }
 
+// The descriptor of the same tile `bytes` further on (a k-step or column block inside it):
+// the address field only. Computed once per tile, a descriptor then costs one add per wgmma
+// instead of the masks and shifts of sw128_desc. Shared addresses stay below 2^18, so the
+// 14-bit field never carries into the next, nor the low word into the high one.
+__device__ __forceinline__ unsigned long long desc_at(const unsigned long long desc,
+                                                      const unsigned bytes) {
+  const unsigned low = static_cast<unsigned>(desc) + (bytes >> 4);  // no carry: see above
+  return (desc & 0xFFFFFFFF00000000ull) | low;
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
