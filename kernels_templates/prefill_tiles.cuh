@@ -239,9 +239,11 @@ __device__ __forceinline__ void transform_tile(T* k_stage, T* v_stage, const Wor
 // row groups copy kRowsPerWarp keys of each tile, and lane j looks up the token of the j-th
 // (pass j / kWarpGroups, group j % kWarpGroups); a pass's row then comes by shuffle, so the
 // producer holds one register of them, not one per pass (it has few: kProducerRegisters).
+template <int kRowLanes = TX>
 struct WarpTileRows {
-  static constexpr int kWarpGroups = 32 / TX;
-  static constexpr int kPasses = kTileKeys / kProducerGroups;
+  static constexpr int kGroups = kProducer ? kProducerThreads / kRowLanes : 1;  // producer row groups
+  static constexpr int kWarpGroups = 32 / kRowLanes;
+  static constexpr int kPasses = kTileKeys / kGroups;
   static constexpr int kRowsPerWarp = kWarpGroups * kPasses;
   int token;     // this lane's row's token
   int group_in;  // this thread's row group within the warp
@@ -250,18 +252,84 @@ struct WarpTileRows {
   }
 };
 
-__device__ __forceinline__ WarpTileRows warp_tile_rows(const int* kv_indices, const WorkItem& w,
-                                                       const int tile_start, const int warp,
-                                                       const int lane, const FastDivmod& page_div) {
-  static_assert(!kProducer || (WarpTileRows::kRowsPerWarp <= 32 && 32 % TX == 0),
+template <int kRowLanes = TX>
+__device__ __forceinline__ WarpTileRows<kRowLanes> warp_tile_rows(
+    const int* kv_indices, const WorkItem& w, const int tile_start, const int warp,
+    const int lane, const FastDivmod& page_div) {
+  using Rows = WarpTileRows<kRowLanes>;
+  static_assert(!kProducer || (Rows::kRowsPerWarp <= 32 && 32 % kRowLanes == 0),
                 "a lane per row of the warp");
-  const int j = lane % WarpTileRows::kRowsPerWarp;
-  const int key = warp * WarpTileRows::kWarpGroups + j % WarpTileRows::kWarpGroups +
-                  (j / WarpTileRows::kWarpGroups) * kProducerGroups;
-  WarpTileRows rows;
+  const int j = lane % Rows::kRowsPerWarp;
+  const int key = warp * Rows::kWarpGroups + j % Rows::kWarpGroups +
+                  (j / Rows::kWarpGroups) * Rows::kGroups;
+  Rows rows;
   rows.token = cache_token(kv_indices, w, imin(tile_start + key, w.kv_end - 1), page_div);
-  rows.group_in = lane / TX;
+  rows.group_in = lane / kRowLanes;
   return rows;
+}
+
+// (kFp8Rows) An fp8 tile as whole rows of bytes: kRawLanes lanes per row, each copying 16
+// bytes (piece j: elements 16 j .. 16 j + 15, the chunks 2 j and 2 j + 1) with one full-width
+// cp.async.cg, so a warp instruction moves 512 bytes as a T cache's do (8-byte copies moved
+// 256 and capped the producer near 8 bytes per cycle: benchmarks/NOTES.md). Piece j of key
+// `key` lands unswizzled at column block j / 8, row key, byte 16 (j % 8): the row's raw bytes
+// fill its slots in the first column blocks, which dequantize_rows then rewrites as T.
+template <typename Rows>
+__device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsigned v_stage,
+                                              const char* k_row, const char* v_row,
+                                              const Rows& rows, const int kv_end,
+                                              const int tile_start, const int group_id,
+                                              const int piece, const int k_token_bytes,
+                                              const int v_token_bytes) {
+  const unsigned dst0 = (piece >> 3) * (kTileKeys * 128) + 16 * (piece & 7);
+#pragma unroll
+  for (int pass = 0; pass < Rows::kPasses; ++pass) {
+    const int key = group_id + pass * Rows::kGroups;
+    const bool valid = tile_start + key < kv_end;
+    const long long token = rows(pass);
+    const unsigned dst = dst0 + key * 128;
+    cp_async_16_shared(k_stage + dst, k_row + token * k_token_bytes, valid);
+    cp_async_16_shared(v_stage + dst, v_row + token * v_token_bytes, valid);
+  }
+}
+
+// (kFp8Rows) The raw rows of a tile (load_rows_fp8) as T, by the kThreads computing threads,
+// kRawLanes to a row (one warp's lanes): each reads its piece, the row's lanes meet
+// (__syncwarp: the T chunks overwrite the raw bytes of other pieces), then writes the piece's
+// two chunks where the wgmma layout wants them; times the scales unless kFoldScales.
+__device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const int tid,
+                                                const float2 scale) {
+  constexpr int kRowsPerPass = kThreads / kRawLanes;
+  const int piece = tid % kRawLanes;
+  const int raw0 = (piece >> 3) * (kTileKeys * 64) + 8 * (piece & 7);  // elements of T
+#pragma unroll
+  for (int pass = 0; pass < kTileKeys / kRowsPerPass; ++pass) {
+    const int key = tid / kRawLanes + pass * kRowsPerPass;
+    const uint4 k_raw = *reinterpret_cast<const uint4*>(k_stage + raw0 + key * 64);
+    const uint4 v_raw = *reinterpret_cast<const uint4*>(v_stage + raw0 + key * 64);
+    __syncwarp();
+    float x[8];
+    fp8x4_to_float(k_raw.x, x);
+    fp8x4_to_float(k_raw.y, x + 4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.x;
+    store8<T>(k_stage + swizzle<kTileKeys>(key, 2 * piece), x);
+    fp8x4_to_float(k_raw.z, x);
+    fp8x4_to_float(k_raw.w, x + 4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.x;
+    store8<T>(k_stage + swizzle<kTileKeys>(key, 2 * piece + 1), x);
+    fp8x4_to_float(v_raw.x, x);
+    fp8x4_to_float(v_raw.y, x + 4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.y;
+    store8<T>(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece), x);
+    fp8x4_to_float(v_raw.z, x);
+    fp8x4_to_float(v_raw.w, x + 4);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.y;
+    store8<T>(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece + 1), x);
+  }
 }
 
 // The producer warpgroup (kProducer; `ptid` its thread, 0 .. kProducerThreads - 1): walks the
@@ -303,16 +371,28 @@ __device__ __forceinline__ void produce_tiles(
     const Index tile_ix = tile_index(w, num_heads, num_kv_heads, sm_scale, params);
     const KvT* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;
     const KvT* const v_row = v_cache + w.kv_head * kHeadDimVO + tx * VEC_VO;
+    // (kFp8Rows) this thread's piece of the item's KV head in cache token 0 (load_rows_fp8)
+    const char* const k_raw_row = reinterpret_cast<const char*>(k_cache + w.kv_head * kHeadDim) +
+                                  16 * (ptid % kRawLanes);
+    const char* const v_raw_row = reinterpret_cast<const char*>(v_cache + w.kv_head * kHeadDimVO) +
+                                  16 * (ptid % kRawLanes);
     TileCursor cursor{-32, 0u, 0u};
     for (int t = next_tile(cursor, span, lane, params, tile_ix); t >= 0;
          t = next_tile(cursor, span, lane, params, tile_ix)) {
       const int start = w.kv_start + (t >> 2) * kTileKeys;
-      const WarpTileRows rows = warp_tile_rows(kv_indices, w, start, ptid >> 5, lane, page_div);
+      const auto rows = warp_tile_rows<kFp8Rows ? kRawLanes : TX>(kv_indices, w, start,
+                                                                 ptid >> 5, lane, page_div);
       if (k_laps > 0) mbar_wait(k_empty_bar + 8 * k_stage, (k_laps - 1) & 1);
       if (laps > 0) mbar_wait(v_empty_bar + 8 * stage, (laps - 1) & 1);
-      load_tile<kProducerGroups>(k_smem + k_stage * (kKStageElems * 2),
-                                 v_smem + stage * (kVStageElems * 2), k_row, v_row, rows,
-                                 w.kv_end, start, group_id, tx, k_token_bytes, v_token_bytes);
+      if constexpr (kFp8Rows) {
+        load_rows_fp8(k_smem + k_stage * (kKStageElems * 2), v_smem + stage * (kVStageElems * 2),
+                      k_raw_row, v_raw_row, rows, w.kv_end, start, ptid / kRawLanes,
+                      ptid % kRawLanes, k_token_bytes, v_token_bytes);
+      } else {
+        load_tile<kProducerGroups>(k_smem + k_stage * (kKStageElems * 2),
+                                   v_smem + stage * (kVStageElems * 2), k_row, v_row, rows,
+                                   w.kv_end, start, group_id, tx, k_token_bytes, v_token_bytes);
+      }
       mbar_arrive_on_copies(full_bar + 8 * stage);
       if (++k_stage == kKStages) {
         k_stage = 0;
