@@ -293,13 +293,14 @@ __device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsi
   }
 }
 
-// (kFp8Rows) The raw rows of a tile (load_rows_fp8) as T, by the kThreads computing threads,
+// (kFp8Rows) The raw rows of a tile (load_rows_fp8) as T, by kConverters computing threads,
 // kRawLanes to a row (one warp's lanes): each reads its piece, the row's lanes meet
 // (__syncwarp: the T chunks overwrite the raw bytes of other pieces), then writes the piece's
 // two chunks where the wgmma layout wants them; times the scales unless kFoldScales.
+template <int kConverters>
 __device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const int tid,
                                                 const float2 scale) {
-  constexpr int kRowsPerPass = kThreads / kRawLanes;
+  constexpr int kRowsPerPass = kConverters / kRawLanes;
   const int piece = tid % kRawLanes;
   const int raw0 = (piece >> 3) * (kTileKeys * 64) + 8 * (piece & 7);  // elements of T
 #pragma unroll

@@ -111,6 +111,57 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
   pv.active = true;
 }
 
+// Split keys: warpgroup 1's state of the shared rows (its tiles) is merged into warpgroup 0's
+// (the others): both rescaled to the larger max, then added; softmax off, just added. Thread t
+// of warpgroup 1 hands its fragments to thread t - 128 through shared memory (value-major, so
+// a warp's stores and loads are 32 consecutive floats). Ends with the computing threads'
+// barrier: the epilogue may reuse the memory.
+__device__ __forceinline__ void split_merge(WarpState& st, float* const merge_smem, const int tid,
+                                            const float score_scale) {
+  constexpr int kOValues = kDimTiles * 4;
+  const int slot = tid & 127;
+  if (tid >= 128) {
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) merge_smem[(4 * t + c) * 128 + slot] = st.o_frag[0][t][c];
+    }
+#pragma unroll
+    for (int fr = 0; fr < kFragRows; ++fr) {
+      merge_smem[(kOValues + fr) * 128 + slot] = st.m[fr];
+      merge_smem[(kOValues + kFragRows + fr) * 128 + slot] = st.d[fr];
+    }
+  }
+  compute_sync();
+  if (tid < 128) {
+    float a0[kFragRows], a1[kFragRows];
+#pragma unroll
+    for (int fr = 0; fr < kFragRows; ++fr) {
+      a0[fr] = a1[fr] = 1.0f;
+      if constexpr (variant::kSoftmax) {
+        const float m1 = merge_smem[(kOValues + fr) * 128 + slot];
+        const float d1 = merge_smem[(kOValues + kFragRows + fr) * 128 + slot];
+        const float m = fmaxf(st.m[fr], m1);
+        if (m != neg_inf()) {  // else both states are empty (o = 0, d = 0): nothing to scale
+          a0[fr] = ex2_approx((st.m[fr] - m) * score_scale);
+          a1[fr] = ex2_approx((m1 - m) * score_scale);
+        }
+        st.m[fr] = m;
+        st.d[fr] = st.d[fr] * a0[fr] + d1 * a1[fr];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < kDimTiles; ++t) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        const float o1 = merge_smem[(4 * t + c) * 128 + slot];
+        st.o_frag[0][t][c] = st.o_frag[0][t][c] * a0[c >> 1] + o1 * a1[c >> 1];
+      }
+    }
+  }
+  compute_sync();
+}
+
 // The class of the keys [kv_lo, kv_lo + kSubKeys) for the queries [q_lo, q_hi] of the rows
 // deciding together (0 skip, 1 masked, 2 unmasked): 2 when the CTA found the whole tile
 // unmasked; keys running past kv_end always need the guard.
