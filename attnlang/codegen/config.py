@@ -115,6 +115,12 @@ _PREFILL_WGMMA_SHAPE = {
     256: (64, 3, 8, 1, 1),
     192: (64, 4, 8, 1, 1),  # with head_dim_vo 128: 4 x 40 KB of K/V + a 48 KB Q tile
 }
+# The wgmma path for variants with a per-pair mask (`bool[q, kv]`, `fine_tiles`): its blocks
+# are skipped per tile and per warpgroup, so a tile of 64 keys skips what a 128-key tile
+# half-computes. A random layout of 64 x 64 blocks ran 1.8x faster at 64 keys in four stages,
+# token trees 1.1x, while causal is 5% slower there (benchmarks/NOTES.md); other head dims
+# already use 64-key tiles.
+_PREFILL_WGMMA_FINE_SHAPE = {128: (64, 4, 8, 1, 1)}
 # K stages on the wgmma path where fewer than the V stages above: the K of a tile is done one
 # tile before its V, so one stage fewer holds the same pipeline (elsewhere K has as many).
 _PREFILL_WGMMA_KEY_STAGES = {256: 2}
@@ -234,9 +240,10 @@ def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | No
 
 
 def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None,
-                   head_dim_vo: int | None = None) -> TemplateShape:
+                   head_dim_vo: int | None = None, fine_tiles: bool = False) -> TemplateShape:
     """The compile-time constants of `kind` for (head_dim, head_dim_vo, dtype) on `arch`
-    (None: the mma.sync path every sm_80+ target runs; head_dim_vo None: head_dim). Raises
+    (None: the mma.sync path every sm_80+ target runs; head_dim_vo None: head_dim).
+    fine_tiles: the variant has a per-pair mask (`_PREFILL_WGMMA_FINE_SHAPE`). Raises
     ValueError."""
     _check(kind, dtype)
     head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
@@ -252,6 +259,8 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
     if kind in ("prefill", "cascade"):
         wgmma = uses_wgmma(kind, head_dim, arch, head_dim_vo)
         table = _PREFILL_WGMMA_SHAPE if wgmma else _PREFILL_SHAPE
+        if wgmma and fine_tiles:
+            table = {**table, **_PREFILL_WGMMA_FINE_SHAPE}
         kv_tile, stages, warps, row_blocks, min_blocks = table[head_dim]
         # mma.sync: S of 32 keys for 32 rows beside O is what the registers hold, a tile is
         # consumed in steps; wgmma: a warp's 16 rows hold S of the whole tile.
@@ -281,7 +290,8 @@ def _prev_pow2(n: int) -> int:
 
 
 def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloat16",
-                  arch: str | None = None, head_dim_vo: int | None = None) -> LaunchConfig:
+                  arch: str | None = None, head_dim_vo: int | None = None,
+                  fine_tiles: bool = False) -> LaunchConfig:
     """Block, rows per work item, dynamic shared memory and KV tile of a launch.
 
     group_size: query heads per KV head. The decode kernel fuses a work item's rows over the
@@ -302,9 +312,9 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     The prefill kernel's rows do not depend on group_size: its R fused rows cover R / group
     queries of every head of the group. arch: the target the kernel was compiled for (it
     picks the prefill path, see `template_shape`). head_dim_vo: the value / output head dim
-    (None: head_dim).
+    (None: head_dim). fine_tiles: the variant has a per-pair mask (see `template_shape`).
     """
-    shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo)
+    shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo, fine_tiles)
     if not _is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     group_size, head_dim, head_dim_vo = int(group_size), shape.head_dim, shape.head_dim_vo

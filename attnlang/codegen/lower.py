@@ -127,6 +127,9 @@ class Hooks:
     # requests (a cascade's shared prefix) are then not one tensor, and the cascade kernel
     # is refused.
     kv_reads_request: bool = False
+    # The variant has a per-pair mask (`bool[q, kv]`): the prefill kernel then takes finer
+    # KV tiles (config.template_shape's fine_tiles).
+    pair_masks: bool = False
 
     @property
     def source(self) -> str:
@@ -403,6 +406,7 @@ def lower(variant: ir.Variant) -> Hooks:
         softmax=variant.softmax,
         stage_lines=tuple(stage_lines),
         kv_reads_request=reads_request(variant.key) or reads_request(variant.value),
+        pair_masks=bool(pairs),
     )
 
 

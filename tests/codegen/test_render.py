@@ -238,6 +238,31 @@ def test_value_head_dim_shapes():
             config.check_head_dims(qk, vo)
 
 
+def test_fine_tiles_for_pair_masks():
+    # A variant with a per-pair mask takes 64-key tiles on the d128 wgmma path (its blocks
+    # are skipped per tile); every other variant, and every other path, keeps its shape.
+    fine = config.template_shape("prefill", 128, "bfloat16", "sm_90a", fine_tiles=True)
+    plain = config.template_shape("prefill", 128, "bfloat16", "sm_90a")
+    assert (fine.kv_tile, fine.stages, plain.kv_tile, plain.stages) == (64, 4, 128, 3)
+    assert fine.sub_keys == 64 and fine.producer_threads == plain.producer_threads
+    for dims, arch in (((256, None), "sm_90a"), ((64, None), "sm_90a"), ((128, None), None)):
+        assert (config.template_shape("prefill", dims[0], "bfloat16", arch, dims[1], True)
+                == config.template_shape("prefill", dims[0], "bfloat16", arch, dims[1]))
+    cfg = config.launch_config("prefill", 128, 4, "bfloat16", "sm_90a", None, True)
+    assert cfg.kv_tile == 64
+    assert cfg.smem_bytes == 64 * 4 * 2 * 128 * 2 + 128 * 128 * 2 + config.DISTANCE_TABLE_BYTES
+    # render and the runtime agree: the spliced tile is the one launch_config reports.
+    tree = attnlang.load(ROOT / "examples" / "spec_tree.attn")
+    causal = attnlang.load(ROOT / "examples" / "causal.attn")
+    assert lower(tree).pair_masks and not lower(causal).pair_masks
+    for variant, keys in ((tree, 64), (causal, 128)):
+        ctx = context(lower(variant), "prefill", "bfloat16", 128, "sm_90a")
+        assert ctx["kv_tile"] == keys
+        assert ctx["kv_tile"] == config.launch_config(
+            "prefill", 128, 4, "bfloat16", "sm_90a", None,
+            any(p.is_pair for p in variant.params)).kv_tile
+
+
 def test_launch_config_merge_and_errors():
     cfg = config.launch_config("merge", 64, 8, "bfloat16")
     assert cfg.block == (8, 16, 1) and cfg.rows_per_tile == 16 and cfg.smem_bytes == 0
