@@ -141,6 +141,27 @@ def uniform_row_parts(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> tup
     return tuple(found[:MAX_ROW_PARTS])
 
 
+def additive_offset(logits: ir.Expr | None, terms: tuple[ir.Expr, ...]) -> ir.Expr | None:
+    """E where the logits are `logits + E` (either order) and E is one value per query row
+    over a uniform tile (it reads neither the score nor kv_pos outside a term); else None.
+    There the prefill kernel never evaluates the logits per score on uniform tiles: a row's
+    scores are `s * sm_scale + E`, so E joins the softmax's per-row offset and sm_scale its
+    exp2 factor (kUniformAdditive), as if the variant had no logits hook. T5's bias is one.
+
+    >>> import attnlang as al
+    >>> v = al.load("examples/t5_bias.attn")
+    >>> additive_offset(v.logits, uniform_terms(v.logits)).name
+    'bias'
+    """
+    if not terms or not isinstance(logits, ir.Binary) or logits.op != "+":
+        return None
+    for score, rest in ((logits.a, logits.b), (logits.b, logits.a)):
+        if (isinstance(score, ir.Var) and score.name == "logits"
+                and reads_only(rest, ("kv_pos", "logits"), lambda n: n in terms)):
+            return rest
+    return None
+
+
 _TILE_SIG = ("__device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, "
              "const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u)")
 _LOGITS_SIG = ("__device__ __forceinline__ float logits_uniform(const float s, const Params& p, "
@@ -150,18 +171,24 @@ _ROWS_SIG = ("__device__ __forceinline__ UniformRows uniform_rows(const Params& 
 _WITH_ROWS = "return logits_uniform_rows(s, p, ix, u, uniform_rows(p, ix, u));"
 _LOGITS_ROWS_SIG = ("__device__ __forceinline__ float logits_uniform_rows(const float s, "
                     "const Params& p, const Index& ix, const Uniform& u, const UniformRows& r)")
+_OFFSET_SIG = ("__device__ __forceinline__ float logits_uniform_offset(const Params& p, "
+               "const Index& ix, const Uniform& u, const UniformRows& r)")
 
 
 def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
-    """The C++ of `kUniformTerms`, `Uniform`, `uniform_tile`, `UniformRows`, `uniform_rows`,
-    `logits_uniform_rows` and `logits_uniform` (the last two with the row parts given and
-    evaluated in place).
+    """The C++ of `kUniformTerms`, `kUniformAdditive`, `Uniform`, `uniform_tile`,
+    `UniformRows`, `uniform_rows`, `logits_uniform_rows`, `logits_uniform` (the last two with
+    the row parts given and evaluated in place) and `logits_uniform_offset` (additive_offset's
+    E, where kUniformAdditive).
 
     literal, param and table render the interval leaves as for `mask_tile`; `lines()` returns
     a fresh statement collector (lower._Lines) whose `user` lines carry `#line` directives.
     """
     terms = uniform_terms(logits)
+    offset = additive_offset(logits, terms)
+    additive = "true" if offset is not None else "false"
     head = [f"inline constexpr int kUniformTerms = {len(terms)};",
+            f"inline constexpr bool kUniformAdditive = {additive};",
             f"struct Uniform {{ int v[{max(len(terms), 1)}]; }};"]
     if not terms:
         return "\n".join(head + [
@@ -169,7 +196,8 @@ def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
             f"{_TILE_SIG} {{ return false; }}  // no tile-uniform term",
             f"{_ROWS_SIG} {{ return {{}}; }}  // unused: kUniformTerms is 0",
             f"{_LOGITS_ROWS_SIG} {{ return logits(s, p, ix); }}  // unused",
-            f"{_LOGITS_SIG} {{ return logits(s, p, ix); }}  // unused"])
+            f"{_LOGITS_SIG} {{ return logits(s, p, ix); }}  // unused",
+            f"{_OFFSET_SIG} {{ return 0.0f; }}  // unused: kUniformAdditive is false"])
     tile = lines()
     tile.add("using namespace ::attnlang::mask_tiles;")
     tests = []
@@ -189,9 +217,16 @@ def lower_uniform(logits: ir.Expr | None, literal, param, table, lines) -> str:
     body = lines()
     env = Env("logits", hoisted=hoisted + tuple((p, f"r.r{j}") for j, p in enumerate(parts)))
     body.user(f"return {expr_c(logits, env)};", logits)
+    if offset is not None:
+        off = lines()
+        off.user(f"return {expr_c(offset, env)};", offset)
+        offset_fn = f"{_OFFSET_SIG} {{\n{off.text()}\n}}"
+    else:
+        offset_fn = f"{_OFFSET_SIG} {{ return 0.0f; }}  // unused: kUniformAdditive is false"
     return "\n".join(head + [
         f"struct UniformRows {{ {members} }};",
         f"{_TILE_SIG} {{\n{tile.text()}\n}}",
         f"{_ROWS_SIG} {{\n{rows.text()}\n}}",
         f"{_LOGITS_ROWS_SIG} {{\n{body.text()}\n}}",
-        f"{_LOGITS_SIG} {{\n  {_WITH_ROWS}\n}}"])
+        f"{_LOGITS_SIG} {{\n  {_WITH_ROWS}\n}}",
+        offset_fn])

@@ -18,7 +18,7 @@ from attnlang import interpret, ir
 from attnlang.codegen.c_expr import literal
 from attnlang.codegen.lower import lower
 from attnlang.codegen.mask_tiles import interval_of, lower_interval
-from attnlang.codegen.tile_uniform import uniform_terms
+from attnlang.codegen.tile_uniform import additive_offset, uniform_terms
 from attnlang.paths import templates_dir
 from tests.codegen.test_mask_tiles import HEAD_DIM, NUM_HEADS, NUM_KV_HEADS, _env, _random_tiles
 from tests.variant_files import ROOT
@@ -71,6 +71,33 @@ def test_lowered_hooks():
     assert "(s + r.r0)" in body and "__logf" not in body
     none = lower(_parse("fine", NOT_TERMS["fine_buckets"])).uniform
     assert "kUniformTerms = 0;" in none and "return false;" in none
+
+
+def test_additive_offset():
+    # `logits + E`, E one value per row over a uniform tile: the softmax takes E as a row
+    # offset (kUniformAdditive) and no logits are evaluated per score there.
+    (bias,) = [additive_offset(T5.logits, uniform_terms(T5.logits))]
+    assert isinstance(bias, ir.ParamIndex) and bias.name == "bias"
+    assert "inline constexpr bool kUniformAdditive = true;" in lower(T5).uniform
+    offset = lower(T5).uniform.split("float logits_uniform_offset", 1)[1]
+    assert "return r.r0;" in offset
+    for name, src in LOGITS.items():  # additive terms whose E is one value per row
+        v = _parse(name, src)
+        assert additive_offset(v.logits, uniform_terms(v.logits)) is not None, name
+    not_additive = {
+        "scaled": "logits = 2.0 * logits + 0.1 * float(clamp(q_pos - kv_pos, -64, 64))",
+        "per_key": "logits = logits + 0.1 * float(clamp(q_pos - kv_pos, -64, 64)) "
+                   "+ 0.01 * float(kv_pos)",
+        "capped": "logits = 30.0 * tanh((logits + 0.1 * float(clamp(q_pos - kv_pos, -64, 64)))"
+                  " / 30.0)",
+    }
+    for name, src in not_additive.items():
+        v = _parse(name, src)
+        assert additive_offset(v.logits, uniform_terms(v.logits)) is None, name
+        assert "kUniformAdditive = false;" in lower(v).uniform, name
+    for name, src in NOT_TERMS.items():  # no terms: never additive
+        v = _parse(name, src)
+        assert additive_offset(v.logits, uniform_terms(v.logits)) is None, name
 
 
 def _pair_values(term: ir.Expr, tile: dict) -> np.ndarray:

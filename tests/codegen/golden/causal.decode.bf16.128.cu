@@ -1137,12 +1137,14 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 1138 "causal_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
+inline constexpr bool kUniformAdditive = false;
 struct Uniform { int v[1]; };
 struct UniformRows {};
 __device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u) { return false; }  // no tile-uniform term
 __device__ __forceinline__ UniformRows uniform_rows(const Params& p, const Index& ix, const Uniform& u) { return {}; }  // unused: kUniformTerms is 0
 __device__ __forceinline__ float logits_uniform_rows(const float s, const Params& p, const Index& ix, const Uniform& u, const UniformRows& r) { return logits(s, p, ix); }  // unused
 __device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) { return logits(s, p, ix); }  // unused
+__device__ __forceinline__ float logits_uniform_offset(const Params& p, const Index& ix, const Uniform& u, const UniformRows& r) { return 0.0f; }  // unused: kUniformAdditive is false
 
 inline constexpr bool kDistanceTerm = false;
 inline constexpr bool kDistanceByHead = false;

@@ -1143,6 +1143,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 1144 "t5_bias_decode.cu"
 
 inline constexpr int kUniformTerms = 1;
+inline constexpr bool kUniformAdditive = true;
 struct Uniform { int v[1]; };
 struct UniformRows { float r0; };
 __device__ __forceinline__ bool uniform_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix, Uniform& u) {
@@ -1165,7 +1166,11 @@ __device__ __forceinline__ float logits_uniform_rows(const float s, const Params
 __device__ __forceinline__ float logits_uniform(const float s, const Params& p, const Index& ix, const Uniform& u) {
   return logits_uniform_rows(s, p, ix, u, uniform_rows(p, ix, u));
 }
-#line 1169 "t5_bias_decode.cu"
+__device__ __forceinline__ float logits_uniform_offset(const Params& p, const Index& ix, const Uniform& u, const UniformRows& r) {
+#line 18 "examples/t5_bias.attn"
+  return r.r0;
+}
+#line 1174 "t5_bias_decode.cu"
 
 inline constexpr bool kDistanceTerm = true;
 inline constexpr bool kDistanceByHead = true;
@@ -1179,7 +1184,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 18 "examples/t5_bias.attn"
   return (s + t);
 }
-#line 1183 "t5_bias_decode.cu"
+#line 1188 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
