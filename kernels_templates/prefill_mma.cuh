@@ -14,7 +14,7 @@ __device__ __forceinline__ void attend_tile(WarpState& st,
                                             const unsigned q_addr, const LaneOffsets& off,
                                             const T* k_stage, const T* v_stage,
                                             const int tile_start, const int kv_end,
-                                            const int lane, const float dot_scale,
+                                            const int lane, const float sm_scale,
                                             const float score_scale,
                                             const variant::Params& params,
                                             const Index (&row_ix)[kFragRows],
@@ -57,7 +57,7 @@ __device__ __forceinline__ void attend_tile(WarpState& st,
   }
 
   transform_scores<kMasked ? kElementMask : kNoMask, kBlocks>(s_frag, tile_start, kv_end,
-                                                              lane_col, dot_scale, params, row_ix,
+                                                              lane_col, sm_scale, params, row_ix,
                                                               terms);
 
   if constexpr (variant::kSoftmax) {

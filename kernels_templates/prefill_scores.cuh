@@ -217,17 +217,17 @@ __device__ __forceinline__ void softmax_step(WarpState& st, float (&s_frag)[kRow
   }
 }
 
-// softmax_step for a tile whose logits are s dot_scale + offset[fr] (dot_scale >= 0, every
-// score visible; kUniformAdditive): a row's max is its raw max times dot_scale plus its
-// offset, and p = 2^(s dot_scale log2 e + (offset - m) log2 e), one FFMA per score as
+// softmax_step for a tile whose logits are s sm_scale + offset[fr] (sm_scale >= 0, every
+// score visible; kUniformAdditive): a row's max is its raw max times sm_scale plus its
+// offset, and p = 2^(s sm_scale log2 e + (offset - m) log2 e), one FFMA per score as
 // without a logits hook. m stays in logit units, as the logits path keeps it.
 template <int kBlocks>
 __device__ __forceinline__ void softmax_step_offset(WarpState& st,
                                                     float (&s_frag)[kRowBlocks][kKeyTiles][4],
-                                                    const float dot_scale,
+                                                    const float sm_scale,
                                                     const float (&offset)[kFragRows],
                                                     float (&rescale)[kFragRows]) {
-  const float factor = dot_scale * kLog2e;
+  const float factor = sm_scale * kLog2e;
 #pragma unroll
   for (int fr = 0; fr < 2 * kBlocks; ++fr) {
     const int b = fr >> 1, h = fr & 1;
@@ -237,7 +237,7 @@ __device__ __forceinline__ void softmax_step_offset(WarpState& st,
       raw = fmaxf(raw, fmaxf(s_frag[b][j][2 * h], s_frag[b][j][2 * h + 1]));
     }
     raw = quad_allreduce(raw, MaxOp{});
-    const float m_new = fmaxf(st.m[fr], fmaf(raw, dot_scale, offset[fr]));
+    const float m_new = fmaxf(st.m[fr], fmaf(raw, sm_scale, offset[fr]));
     rescale[fr] = m_new == st.m[fr] ? 1.0f : ex2_approx((st.m[fr] - m_new) * kLog2e);
     st.m[fr] = m_new;
     st.d[fr] *= rescale[fr];

@@ -51,14 +51,14 @@ template <int kMask, bool kOverlap, int kTerms = -1>
 __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const unsigned q_tile,
                                            const unsigned k_stage, const unsigned v_stage,
                                            const int tile_start, const int kv_end, const int lane,
-                                           const float dot_scale, const float score_scale,
+                                           const float sm_scale, const float score_scale,
                                            const variant::Params& params,
                                            const Index (&row_ix)[kFragRows],
                                            const unsigned columns, const TileTerms& terms) {
   // Tile-uniform tiles: the rows' parts of the logits (a table read each for T5) before the
   // matmul, whose time hides their latency (after it, it was exposed: benchmarks/NOTES.md).
   // A tile-uniform unmasked tile whose logits are the score plus a row's offset (T5's bias)
-  // skips the logits per score (kUniformAdditive; dot_scale >= 0 there, the sign is in Q).
+  // skips the logits per score (kUniformAdditive; the kernel sends it here with sm_scale >= 0).
   constexpr bool kAdditive = kTerms == kUniformTerms && kMask == kNoMask &&
                              variant::kUniformAdditive && variant::kSoftmax;
   variant::UniformRows rows[kFragRows];
@@ -91,19 +91,19 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
   pin(s_frag[0]);
   float rescale[kFragRows];
   if constexpr (kAdditive) {
-    // Logits s dot_scale + a row's offset: no hook per score, the offset joins the softmax's.
+    // Logits s sm_scale + a row's offset: no hook per score, the offset joins the softmax's.
     float offset[kFragRows];
 #pragma unroll
     for (int fr = 0; fr < kFragRows; ++fr) {
       offset[fr] = variant::logits_uniform_offset(params, row_ix[fr], terms.uni, rows[fr]);
     }
-    softmax_step_offset<1>(st, s_frag, dot_scale, offset, rescale);
+    softmax_step_offset<1>(st, s_frag, sm_scale, offset, rescale);
   } else {
     if constexpr (kTerms >= 0) {
       transform_scores_as<kMask, 1, kTerms>(s_frag, tile_start, kv_end, 2 * (lane & 3),
-                                            dot_scale, params, row_ix, tile_terms, columns);
+                                            sm_scale, params, row_ix, tile_terms, columns);
     } else {
-      transform_scores<kMask, 1>(s_frag, tile_start, kv_end, 2 * (lane & 3), dot_scale, params,
+      transform_scores<kMask, 1>(s_frag, tile_start, kv_end, 2 * (lane & 3), sm_scale, params,
                                  row_ix, terms, columns);
     }
     if constexpr (variant::kSoftmax) softmax_step<1>(st, s_frag, score_scale, rescale);

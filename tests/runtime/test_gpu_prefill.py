@@ -194,8 +194,9 @@ def test_tile_skipping_with_split_kv(cp, error_log, chunk):
 @pytest.mark.parametrize("sm_scale", [-0.2, 0.0, 0.3])
 @pytest.mark.parametrize("variant_id", ["causal", "softcap", "flash_sigmoid", "t5_bias"])
 def test_sm_scale_sign_and_zero(cp, error_log, sm_scale, variant_id):
-    """The kernel folds |sm_scale| log2(e) into the exp2 and the sign into Q (T5 too: its
-    uniform tiles add the bias to the softmax's row offset, kUniformAdditive)."""
+    """The kernel folds |sm_scale| log2(e) into the exp2 and the sign into Q. T5's uniform
+    tiles add the bias to the softmax's row offset (kUniformAdditive) only where sm_scale >= 0:
+    a negative one takes the general path."""
     variant = attnlang.load(VARIANT_PATHS[variant_id])
     run_and_check(cp, variant, (150, 70), (400, 70), num_qo_heads=4, num_kv_heads=2,
                   head_dim=64, dtype="float16", page_size=16, seed=5, error_log=error_log,
