@@ -297,39 +297,36 @@ __device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsi
 // kRawLanes to a row (one warp's lanes): each reads its piece, the row's lanes meet
 // (__syncwarp: the T chunks overwrite the raw bytes of other pieces), then writes the piece's
 // two chunks where the wgmma layout wants them; times the scales unless kFoldScales.
+// Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `factor`.
+__device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
+                                             const float factor) {
+  float x[8];
+  fp8x4_to_float(lo, x);
+  fp8x4_to_float(hi, x + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= factor;
+  store8<T>(chunk, x);
+}
+
 template <int kConverters>
 __device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const int tid,
                                                 const float2 scale) {
   constexpr int kRowsPerPass = kConverters / kRawLanes;
   const int piece = tid % kRawLanes;
   const int raw0 = (piece >> 3) * (kTileKeys * 64) + 8 * (piece & 7);  // elements of T
+  const float k_factor = kFoldScales ? 1.0f : scale.x, v_factor = kFoldScales ? 1.0f : scale.y;
 #pragma unroll
   for (int pass = 0; pass < kTileKeys / kRowsPerPass; ++pass) {
     const int key = tid / kRawLanes + pass * kRowsPerPass;
     const uint4 k_raw = *reinterpret_cast<const uint4*>(k_stage + raw0 + key * 64);
     const uint4 v_raw = *reinterpret_cast<const uint4*>(v_stage + raw0 + key * 64);
     __syncwarp();
-    float x[8];
-    fp8x4_to_float(k_raw.x, x);
-    fp8x4_to_float(k_raw.y, x + 4);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.x;
-    store8<T>(k_stage + swizzle<kTileKeys>(key, 2 * piece), x);
-    fp8x4_to_float(k_raw.z, x);
-    fp8x4_to_float(k_raw.w, x + 4);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.x;
-    store8<T>(k_stage + swizzle<kTileKeys>(key, 2 * piece + 1), x);
-    fp8x4_to_float(v_raw.x, x);
-    fp8x4_to_float(v_raw.y, x + 4);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.y;
-    store8<T>(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece), x);
-    fp8x4_to_float(v_raw.z, x);
-    fp8x4_to_float(v_raw.w, x + 4);
-#pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] *= kFoldScales ? 1.0f : scale.y;
-    store8<T>(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece + 1), x);
+    store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece), k_raw.x, k_raw.y, k_factor);
+    store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece + 1), k_raw.z, k_raw.w, k_factor);
+    store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece), v_raw.x, v_raw.y,
+                 v_factor);
+    store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece + 1), v_raw.z, v_raw.w,
+                 v_factor);
   }
 }
 
