@@ -1,0 +1,94 @@
+// prefill_shape.cuh: what the prefill kernel derives from its shape's literals (which
+// prefill.cu.j2 splices just before): the rows deciding together, the register split with a
+// producer, the named barriers, the fp8 and split-key choices, every static check of the
+// shape, and the tile swizzle. Spliced verbatim by prefill.cu.j2 inside namespace
+// attnlang::prefill_kernel: not a header of its own.
+
+// Rows that take one decision per tile (skip it, drop its mask): a warp, or on the wgmma
+// path a warpgroup (its four warps issue each wgmma together).
+constexpr int kRefineRows = kWgmma ? 64 : kWarpRows;
+// Registers per thread after the producer hands its own to the computing warpgroups
+// (setmaxnreg), out of the 64,512 a 384-thread CTA is launched with: 2 x 128 x 224 + 128 x 56,
+// or 232 + 40 for variants with per-tile logits terms (tables, tile-uniform terms: T5 ran 7%
+// faster at S16384 with 232, causal 1-4% slower). 240 / 24, FA3's split, spilled the
+// producer's loop (benchmarks/NOTES.md).
+constexpr int kComputeRegisters =
+    (variant::kDistanceTerm || variant::kUniformTerms > 0) ? 232 : 224;
+constexpr int kCtaRegisters =  // (kProducer) what the CTA starts with: 168 x 384 threads
+    kProducer ? 65536 / (kThreads + kProducerThreads) / 8 * 8 * (kThreads + kProducerThreads) : 0;
+constexpr int kProducerRegisters =
+    kProducer ? (kCtaRegisters - kThreads * kComputeRegisters) / kProducerThreads : 0;
+// Named barriers (0 is __syncthreads): the computing threads alone; the end of an item's
+// epilogue, which the producer waits for before it refills the ring the epilogue aliased.
+constexpr unsigned kComputeBarrier = 1;
+constexpr unsigned kItemBarrier = 2;
+// An fp8 cache without key or value hooks (which must see dequantised values): the scales
+// leave the per-element conversion, K's into q (scores q' k = q k' exactly as the softmax
+// sees them) and V's into the output (o is linear in v), so a chunk is converted, not also
+// multiplied: e4m3 values are exact in T. Not where the logits have per-tile terms either:
+// their kernels sit at the register limit, and T5's spilled 136 bytes with the fold.
+// An fp8 cache beside a producer: its tiles copied as whole rows of bytes, 16 per lane
+// (load_rows_fp8), kRawLanes lanes to a row; the computing threads make them T
+// (dequantize_rows).
+constexpr bool kFp8Rows = kKvFp8 && kProducer;
+constexpr int kRawLanes = kHeadDim / 16;
+constexpr bool kFoldScales = kKvFp8 && !variant::kHasKey && !variant::kHasValue &&
+                             !variant::kDistanceTerm && variant::kUniformTerms == 0;
+// Split keys (kProducer): an item whose rows fit the first warpgroup (a decode step's GQA
+// group, a short chunk) would leave the second idle while the first's per-tile chain (wait,
+// convert, S, softmax, P V) sets the pace. Instead the warpgroups take alternate tiles of it,
+// both on the first warpgroup's rows, each with its own softmax state, merged in shared
+// memory before the epilogue (split_merge). Not where the computing warpgroups meet per tile
+// anyway: key/value hooks, distance tables.
+constexpr bool kSplitKeys =
+    kProducer && !variant::kHasKey && !variant::kHasValue && !variant::kDistanceTerm;
+constexpr unsigned kGroupBarrier = 3;  // + warpgroup (3, 4): one warpgroup's 128 threads
+
+static_assert(VEC * TX == kHeadDim && VEC_VO * TX == kHeadDimVO && VEC % 8 == 0 &&
+              VEC_VO % 8 == 0 && sizeof(T) == 2, "whole 16-byte row chunks per lane");
+static_assert(kChunks >= 8 && kChunksVO >= 8, "the swizzle permutes chunks within groups of 8");
+static_assert(!kFp8Rows || (kHeadDimVO == kHeadDim && 32 % kRawLanes == 0 &&
+                            kTileKeys % (kThreads / kRawLanes) == 0 &&
+                            kTileKeys % (kProducerThreads / kRawLanes) == 0),
+              "fp8 rows: whole rows per warp, whole passes for the producer and the converters");
+static_assert(kThreads % 32 == 0 && kThreads % TX == 0, "whole warps, whole row groups");
+static_assert(kTileKeys % 16 == 0 && kTileKeys % kGroups == 0, "whole k-steps; rows per group");
+static_assert(kTileKeys % kSubKeys == 0 && kSubKeys % 16 == 0, "whole sub-tiles of whole k-steps");
+static_assert(kRows % kGroups == 0, "every group loads the same number of Q rows");
+static_assert(!kProducer || (kWgmma && kProducerThreads == 128 && kThreads == 256 &&
+                             kTileKeys % kProducerGroups == 0 &&
+                             8 * (2 * kStages + kKStages) <= kBarrierBytes),
+              "a producer warpgroup beside two computing warpgroups, whole rows per group");
+static_assert(!kProducer || (kProducerRegisters % 8 == 0 && kProducerRegisters >= 24),
+              "setmaxnreg takes multiples of 8 from 24 up");
+static_assert(kStages >= 2 + kLag, "the pipeline needs a stage in flight while one is read");
+static_assert(kKStages >= kStages - kLag && kKStages <= kStages, "K is read kLag tiles less than V");
+static_assert(!kWgmma || (kRowBlocks == 1 && kWarps % 4 == 0 && kTileKeys % 64 == 0 &&
+                          kTileKeys <= 256 && kHeadDim <= 256),
+              "wgmma: warpgroups of 16-row warps; 128-byte swizzle atoms of 64 columns");
+static_assert(!kSplitKeys || (kRowBlocks == 1 && kThreads == 256 &&
+                               (kDimTiles * 4 + 2 * kFragRows) * 128 * 4 <=
+                                   (kKStages * kKStageElems + kStages * kVStageElems) * 2),
+              "split keys: warpgroup 1's fragments fit in the drained ring");
+static_assert(kRows * kHeadDimVO * 4 <= (kKStages * kKStageElems + kStages * kVStageElems + kRows * kHeadDim) * static_cast<int>(sizeof(T)),
+              "the fp32 output staging fits in the K/V stages and the Q tile");
+
+// Element offset of chunk `chunk` (8 elements) of row `row` in a [kTileRows][kRowElems] T
+// tile (Q and K: kHeadDim, V: kHeadDimVO). mma.sync: rows of kRowElems elements. wgmma:
+// column blocks of 64 elements, each [kTileRows][64] (wgmma.cuh: the 128-byte swizzle the
+// hardware applies to descriptor reads). The chunk permutation is the same: low 3 bits of the
+// chunk XOR the row's.
+template <int kTileRows, int kRowElems = kHeadDim>
+__device__ __forceinline__ int swizzle(const int row, const int chunk) {
+  if constexpr (kWgmma) {
+    return (chunk >> 3) * (kTileRows * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+  } else {
+    return row * kRowElems + ((chunk ^ (row & 7)) << 3);
+  }
+}
+
+// Float offset of 16-byte chunk `chunk` (4 floats) of row `row` in a [rows][kHeadDimVO] float
+// tile (the output staging), same permutation.
+__device__ __forceinline__ int swizzle_f32(const int row, const int chunk) {
+  return row * kHeadDimVO + ((chunk ^ (row & 7)) << 2);
+}
