@@ -118,7 +118,7 @@ def show(file, kind, dtype, head_dim, arch, kv_dtype):
                    "one subdirectory per dtype/head-dim when several are asked for.")
 def compile(file, head_dims, dtypes, arch, kv_dtype, cascade, out_dir):  # noqa: A001 - the command's name
     """Compile every kernel of FILE with NVRTC (no GPU needed); print a table per kernel."""
-    from attnlang.codegen.config import launch_config
+    from attnlang.codegen.config import fine_tiles, launch_config
     from attnlang.runtime.compiler import CompileError
     from attnlang.runtime.module import ALL_KINDS, KINDS, compile_variant
 
@@ -138,7 +138,7 @@ def compile(file, head_dims, dtypes, arch, kv_dtype, cascade, out_dir):  # noqa:
         for kind, cubin in km.cubins.items():
             # ptxas reports static shared memory only; the kernels size theirs at launch.
             dynamic = launch_config(kind, head_dim, 1, dtype, cubin.arch, head_dim_vo,
-                                    any(p.is_pair for p in km.params)).smem_bytes
+                                    fine_tiles(km.params)).smem_bytes
             for fn in cubin.functions:
                 shown = dtype if km.kv_dtype == dtype else f"{dtype}, fp8 KV"
                 rows.append((kind, shown, dims, cubin.arch, str(fn.registers),

@@ -297,17 +297,6 @@ __device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsi
 // kRawLanes to a row (one warp's lanes): each reads its piece, the row's lanes meet
 // (__syncwarp: the T chunks overwrite the raw bytes of other pieces), then writes the piece's
 // two chunks where the wgmma layout wants them; times the scales unless kFoldScales.
-// Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `factor`.
-__device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
-                                             const float factor) {
-  float x[8];
-  fp8x4_to_float(lo, x);
-  fp8x4_to_float(hi, x + 4);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= factor;
-  store8<T>(chunk, x);
-}
-
 template <int kConverters>
 __device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const int tid,
                                                 const float2 scale) {

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 
 __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "HEAD_DIM_PAIRS", "TemplateShape", "LaunchConfig",
            "template_shape", "launch_config", "dtype_ctype", "uses_wgmma", "check_head_dims",
-           "STATIC_SMEM_LIMIT", "DISTANCE_TABLE_BYTES"]
+           "STATIC_SMEM_LIMIT", "DISTANCE_TABLE_BYTES", "fine_tiles"]
 
 # "cascade": the prefill kernel for a shared-prefix level (its items span several requests'
 # rows), compiled only where a BatchAttention plans cascades; its shape is prefill's.
@@ -229,6 +229,13 @@ def dtype_ctype(dtype: str) -> str:
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
     return DTYPES[dtype][0]
+
+
+def fine_tiles(params) -> bool:
+    """Does a variant with these ParamSpecs take `template_shape`'s fine tiles? Where it has a
+    per-pair mask (`bool[q, kv]`). The one test render, the runtime and the CLI all apply, so
+    a kernel and its launches agree."""
+    return any(p.is_pair for p in params)
 
 
 def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | None = None) -> bool:

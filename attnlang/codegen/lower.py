@@ -49,6 +49,7 @@ from attnlang.codegen.c_expr import (
     table_c,
     uses_dim,
 )
+from attnlang.codegen.config import fine_tiles
 from attnlang.codegen.distance_terms import lower_distance
 from attnlang.codegen.mask_tiles import lower_mask_tile
 from attnlang.codegen.tile_uniform import lower_uniform
@@ -406,7 +407,7 @@ def lower(variant: ir.Variant) -> Hooks:
         softmax=variant.softmax,
         stage_lines=tuple(stage_lines),
         kv_reads_request=reads_request(variant.key) or reads_request(variant.value),
-        pair_masks=bool(pairs),
+        pair_masks=fine_tiles(variant.params),
     )
 
 

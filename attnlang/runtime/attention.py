@@ -197,7 +197,7 @@ class BatchAttention:
 
         import cupy
 
-        from attnlang.codegen.config import launch_config
+        from attnlang.codegen.config import fine_tiles, launch_config
 
         _require_gpu(cupy)
         self.device = cupy.cuda.Device(device).id if device is None else int(device)
@@ -234,10 +234,9 @@ class BatchAttention:
             reads_request(variant.mask) or reads_request(variant.logits))
         s = self.shape
         arch = self.module.arch  # the prefill kernel's path (and launch) depends on it
-        fine_tiles = any(p.is_pair for p in self.module.params)  # as render chose them
+        fine = fine_tiles(self.module.params)  # as render chose them
         self._decode_cfg, self._prefill_cfg, self._merge_cfg = (
-            launch_config(kind, s.head_dim, s.group_size, s.dtype, arch, s.head_dim_vo,
-                          fine_tiles)
+            launch_config(kind, s.head_dim, s.group_size, s.dtype, arch, s.head_dim_vo, fine)
             for kind in ("decode", "prefill", "merge"))
         self._decode = self.module.function("decode", self.device,
                                             dynamic_smem=self._decode_cfg.smem_bytes)

@@ -255,12 +255,13 @@ def test_fine_tiles_for_pair_masks():
     tree = attnlang.load(ROOT / "examples" / "spec_tree.attn")
     causal = attnlang.load(ROOT / "examples" / "causal.attn")
     assert lower(tree).pair_masks and not lower(causal).pair_masks
+    assert config.fine_tiles(tree.params) and not config.fine_tiles(causal.params)
     for variant, keys in ((tree, 64), (causal, 128)):
         ctx = context(lower(variant), "prefill", "bfloat16", 128, "sm_90a")
         assert ctx["kv_tile"] == keys
         assert ctx["kv_tile"] == config.launch_config(
             "prefill", 128, 4, "bfloat16", "sm_90a", None,
-            any(p.is_pair for p in variant.params)).kv_tile
+            config.fine_tiles(variant.params)).kv_tile
 
 
 def test_launch_config_merge_and_errors():

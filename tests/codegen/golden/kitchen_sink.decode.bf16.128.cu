@@ -69,6 +69,7 @@
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
 //   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
@@ -735,6 +736,18 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 #endif
 }
 
+// Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
+template <typename T>
+__device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
+                                             const float scale) {
+  float x[8];
+  fp8x4_to_float(lo, x);
+  fp8x4_to_float(hi, x + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= scale;
+  store8<T>(chunk, x);
+}
+
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
 // values of T, times `scale`, in place. Only the chunk itself is read and written, so
 // whoever converts a chunk (its copying thread, or one of the computing warps beside a
@@ -742,12 +755,7 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
-  float x[8];
-  fp8x4_to_float(raw.x, x);
-  fp8x4_to_float(raw.y, x + 4);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= scale;
-  store8<T>(chunk, x);
+  store_e4m3x8(chunk, raw.x, raw.y, scale);
 }
 
 // dequantize8 without the scale (the kernel applies it elsewhere): into half on sm_89+ the
@@ -1122,7 +1130,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) * (1.0f / 1.7320508075688772f));
   }
 }
-#line 1126 "kitchen_sink_decode.cu"
+#line 1134 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1169,19 +1177,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1173 "kitchen_sink_decode.cu"
+#line 1181 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) * (1.0f / 1.4142135623730951f)) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1179 "kitchen_sink_decode.cu"
+#line 1187 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1185 "kitchen_sink_decode.cu"
+#line 1193 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1204,14 +1212,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1208 "kitchen_sink_decode.cu"
+#line 1216 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1215 "kitchen_sink_decode.cu"
+#line 1223 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

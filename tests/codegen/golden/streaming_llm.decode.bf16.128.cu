@@ -69,6 +69,7 @@
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
 //   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
@@ -735,6 +736,18 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 #endif
 }
 
+// Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
+template <typename T>
+__device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
+                                             const float scale) {
+  float x[8];
+  fp8x4_to_float(lo, x);
+  fp8x4_to_float(hi, x + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= scale;
+  store8<T>(chunk, x);
+}
+
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
 // values of T, times `scale`, in place. Only the chunk itself is read and written, so
 // whoever converts a chunk (its copying thread, or one of the computing warps beside a
@@ -742,12 +755,7 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
-  float x[8];
-  fp8x4_to_float(raw.x, x);
-  fp8x4_to_float(raw.y, x + 4);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= scale;
-  store8<T>(chunk, x);
+  store_e4m3x8(chunk, raw.x, raw.y, scale);
 }
 
 // dequantize8 without the scale (the kernel applies it elsewhere): into half on sm_89+ the
@@ -1131,7 +1139,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1135 "streaming_llm_decode.cu"
+#line 1143 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1153,7 +1161,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1157 "streaming_llm_decode.cu"
+#line 1165 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1164,7 +1172,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "examples/streaming_llm.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.kv_pos < 4) || ((ix.q_pos - ix.kv_pos) < 1024)));
 }
-#line 1168 "streaming_llm_decode.cu"
+#line 1176 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1174,7 +1182,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 13 "examples/streaming_llm.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(4)), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(1024))));
 }
-#line 1178 "streaming_llm_decode.cu"
+#line 1186 "streaming_llm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

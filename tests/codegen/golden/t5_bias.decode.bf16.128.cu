@@ -69,6 +69,7 @@
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
 //   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
@@ -735,6 +736,18 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 #endif
 }
 
+// Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
+template <typename T>
+__device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
+                                             const float scale) {
+  float x[8];
+  fp8x4_to_float(lo, x);
+  fp8x4_to_float(hi, x + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= scale;
+  store8<T>(chunk, x);
+}
+
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
 // values of T, times `scale`, in place. Only the chunk itself is read and written, so
 // whoever converts a chunk (its copying thread, or one of the computing warps beside a
@@ -742,12 +755,7 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
-  float x[8];
-  fp8x4_to_float(raw.x, x);
-  fp8x4_to_float(raw.y, x + 4);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= scale;
-  store8<T>(chunk, x);
+  store_e4m3x8(chunk, raw.x, raw.y, scale);
 }
 
 // dequantize8 without the scale (the kernel applies it elsewhere): into half on sm_89+ the
@@ -1124,13 +1132,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((attnlang::imax((ix.q_pos - ix.kv_pos), 0) < 16) ? attnlang::imax((ix.q_pos - ix.kv_pos), 0) : attnlang::imin((16 + attnlang::float_to_int((attnlang::div_invariant(__logf((((float)(attnlang::imax((ix.q_pos - ix.kv_pos), 0))) * (1.0f / 16.0f))), 2.0794415416798357f) * 16.0f))), 31)), 32));
 }
-#line 1128 "t5_bias_decode.cu"
+#line 1136 "t5_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 19 "examples/t5_bias.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1134 "t5_bias_decode.cu"
+#line 1142 "t5_bias_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1140,7 +1148,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 19 "examples/t5_bias.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1144 "t5_bias_decode.cu"
+#line 1152 "t5_bias_decode.cu"
 
 inline constexpr int kUniformTerms = 1;
 inline constexpr bool kUniformAdditive = true;
@@ -1170,7 +1178,7 @@ __device__ __forceinline__ float logits_uniform_offset(const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return r.r0;
 }
-#line 1174 "t5_bias_decode.cu"
+#line 1182 "t5_bias_decode.cu"
 
 inline constexpr bool kDistanceTerm = true;
 inline constexpr bool kDistanceByHead = true;
@@ -1184,7 +1192,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 18 "examples/t5_bias.attn"
   return (s + t);
 }
-#line 1188 "t5_bias_decode.cu"
+#line 1196 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

@@ -69,6 +69,7 @@
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
 //   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
@@ -735,6 +736,18 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 #endif
 }
 
+// Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
+template <typename T>
+__device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
+                                             const float scale) {
+  float x[8];
+  fp8x4_to_float(lo, x);
+  fp8x4_to_float(hi, x + 4);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) x[i] *= scale;
+  store8<T>(chunk, x);
+}
+
 // The 8 e4m3 values a copy put at the start of a 16-byte chunk of shared memory become its 8
 // values of T, times `scale`, in place. Only the chunk itself is read and written, so
 // whoever converts a chunk (its copying thread, or one of the computing warps beside a
@@ -742,12 +755,7 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 template <typename T>
 __device__ __forceinline__ void dequantize8(T* chunk, const float scale) {
   const uint2 raw = *reinterpret_cast<const uint2*>(chunk);
-  float x[8];
-  fp8x4_to_float(raw.x, x);
-  fp8x4_to_float(raw.y, x + 4);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) x[i] *= scale;
-  store8<T>(chunk, x);
+  store_e4m3x8(chunk, raw.x, raw.y, scale);
 }
 
 // dequantize8 without the scale (the kernel applies it elsewhere): into half on sm_89+ the
@@ -1125,7 +1133,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 1129 "tables_decode.cu"
+#line 1137 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1134,13 +1142,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 14 "tests/variants/tables.attn"
   return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 1138 "tables_decode.cu"
+#line 1146 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
   return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 1144 "tables_decode.cu"
+#line 1152 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1150,7 +1158,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(attnlang::span_tri(p.u_keep, kv_lo, kv_hi, 64, attnlang::Known{ix.batch}, 0), tri_lt(IvI::top(), IvI::point(24))), tri_ge(iv_int(iv_mul(to_float(IvI{q_lo, q_hi}), IvF::point(0.5f))), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 1154 "tables_decode.cu"
+#line 1162 "tables_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
