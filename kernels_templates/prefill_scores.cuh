@@ -56,37 +56,11 @@ struct WarpState {
 // 32 i + 31), or per element (the mask hook).
 constexpr int kNoMask = 0, kColumnMask = 1, kElementMask = 2;
 
-// A tile's distance table: entry h * head_stride + i (i < distances) is the term at distance
-// d0 + i for query head head0 + h (variant::kDistanceByHead; else h is 0). d0 is the CTA's first
-// query position less the tile's last key, so row q_pos's entry for key c of the tile is
-// h * head_stride + (q_pos - q_lo) + (kTileKeys - 1 - c) (Index::distance_row - c). Each
-// thread's few entries are evaluated together, so their table reads are in flight at once.
-__device__ __forceinline__ void fill_distance_table(float* const table, const int entries,
-                                                    const int head_stride, const int distances,
-                                                    const int d0, const int head0,
-                                                    const variant::Params& params, Index ix) {
-  constexpr int kPerThread = (kDistanceFloats + kThreads - 1) / kThreads;
-  float values[kPerThread];
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const int e = threadIdx.x + k * kThreads;
-    const int h = variant::kDistanceByHead ? e / head_stride : 0;
-    const int i = e - h * head_stride;
-    ix.head = head0 + h;
-    values[k] = e < entries && i < distances ? variant::distance_term(d0 + i, params, ix) : 0.0f;
-  }
-#pragma unroll
-  for (int k = 0; k < kPerThread; ++k) {
-    const int e = threadIdx.x + k * kThreads;
-    if (e < entries) table[e] = values[k];
-  }
-}
-
 // How a step's logits are evaluated. kScoreTerms: the logits hook per score. kUniformTerms:
 // the logits' tile-uniform terms are the values in `uni` over the whole step
 // (variant::uniform_tile), so variant::logits_uniform stands in for the hook. kTableTerms:
 // the distance term of key c of the step (0 .. kSubKeys - 1) is dist[ix.distance_row - c],
-// the tile's table (fill_distance_table) seen from the step, and variant::logits_distance
+// the tile's table (DistanceTable::at) seen from the step, and variant::logits_distance
 // stands in.
 constexpr int kScoreTerms = 0, kUniformTerms = 1, kTableTerms = 2;
 struct TileTerms {

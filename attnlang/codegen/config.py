@@ -69,7 +69,8 @@ STATIC_SMEM_LIMIT = 48 * 1024
 # distances, 168 apart (128 rows at 4 query heads per KV head, tiles of 128 keys). It is what 227 KB
 # leave beside the wgmma path's 224 KB at head dim 128 (and 99 KB beside the mma.sync path's
 # 96 KB on sm_86/89), so every variant's kernel reserves it: no CTA fewer per SM on any
-# target. A larger table is not built: its tiles compute the term per score.
+# target. A larger table is not built: its tiles compute the term per score. (With a distance
+# term the wgmma path at head dim 128 gives the table a K stage too: `_DISTANCE_KEY_STAGES`.)
 DISTANCE_TABLE_BYTES = 3072
 # The wgmma path's producer warpgroup (head dims 128 and 256: at 64 the kernel without one
 # fits two CTAs per SM) and its pipeline barriers (one "full" and one "empty" mbarrier per
@@ -124,6 +125,12 @@ _PREFILL_WGMMA_FINE_SHAPE = {128: (64, 4, 8, 1, 1)}
 # K stages on the wgmma path where fewer than the V stages above: the K of a tile is done one
 # tile before its V, so one stage fewer holds the same pipeline (elsewhere K has as many).
 _PREFILL_WGMMA_KEY_STAGES = {256: 2}
+# ... and for a variant with a distance term (`distance_table`), where the stage K does without
+# joins the distance table (32 KB more at head dim 128: the same shared memory in all). The
+# table then holds a run of tiles' distances (kernels_templates/distance_table.cuh): sandwich
+# prefill S4096 0.876 -> 0.617 ms; the shorter K ring alone left causal's time as it was
+# (benchmarks/NOTES.md).
+_DISTANCE_KEY_STAGES = {128: 2}
 _WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100)
 
 
@@ -153,6 +160,7 @@ class TemplateShape:
     sub_keys: int = 0  # prefill: keys per softmax step (S of a step is in registers)
     key_stages: int = 0  # prefill: K stages (`stages` or, on the wgmma path, one fewer)
     producer_threads: int = 0  # prefill: threads of a producer warpgroup beside max_threads
+    table_bytes: int = DISTANCE_TABLE_BYTES  # prefill: the distance table's region, after Q
 
     @property
     def block_threads(self) -> int:
@@ -163,7 +171,15 @@ class TemplateShape:
     def distance_table_floats(self) -> int:
         """Floats of the prefill distance table (what the pipeline barriers leave)."""
         barriers = PIPELINE_BARRIER_BYTES if self.producer_threads else 0
-        return (DISTANCE_TABLE_BYTES - barriers) // 4
+        return (self.table_bytes - barriers) // 4
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of a prefill CTA: its K and V stages, the Q tile, the table."""
+        size = DTYPES[self.dtype][1]
+        stages = self.kv_tile * (self.key_stages * self.head_dim + self.stages * self.head_dim_vo)
+        rows = 16 * self.row_blocks * (self.max_threads // 32)
+        return (stages + rows * self.head_dim) * size + self.table_bytes
 
 
 @dataclass(frozen=True)
@@ -247,11 +263,13 @@ def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | No
 
 
 def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None,
-                   head_dim_vo: int | None = None, fine_tiles: bool = False) -> TemplateShape:
+                   head_dim_vo: int | None = None, fine_tiles: bool = False,
+                   distance_table: bool = False) -> TemplateShape:
     """The compile-time constants of `kind` for (head_dim, head_dim_vo, dtype) on `arch`
     (None: the mma.sync path every sm_80+ target runs; head_dim_vo None: head_dim).
-    fine_tiles: the variant has a per-pair mask (`_PREFILL_WGMMA_FINE_SHAPE`). Raises
-    ValueError."""
+    fine_tiles: the variant has a per-pair mask (`_PREFILL_WGMMA_FINE_SHAPE`).
+    distance_table: its logits have a distance term (`_DISTANCE_KEY_STAGES`); the shape's
+    shared memory is the same either way, so a launch need not know. Raises ValueError."""
     _check(kind, dtype)
     head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
     ctype, size = DTYPES[dtype]
@@ -273,10 +291,17 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
         # consumed in steps; wgmma: a warp's 16 rows hold S of the whole tile.
         sub_keys = kv_tile if wgmma else min(kv_tile, 32)
         key_stages = _PREFILL_WGMMA_KEY_STAGES.get(head_dim, stages) if wgmma else stages
+        table_bytes = DISTANCE_TABLE_BYTES
+        if (wgmma and distance_table and not fine_tiles and head_dim == head_dim_vo
+                and head_dim in _DISTANCE_KEY_STAGES):
+            fewer = key_stages - _DISTANCE_KEY_STAGES[head_dim]
+            key_stages -= fewer
+            table_bytes += fewer * kv_tile * head_dim * size
         return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx, kv_tile,
                              stages, 0, 32 * warps, min_blocks, row_blocks, wgmma, sub_keys,
                              key_stages,
-                             PRODUCER_THREADS if wgmma and head_dim in _PRODUCER_HEAD_DIMS else 0)
+                             PRODUCER_THREADS if wgmma and head_dim in _PRODUCER_HEAD_DIMS else 0,
+                             table_bytes)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
     kv_tile = max(_prev_pow2(_TILE_BYTES // ((head_dim + head_dim_vo) * size)),
@@ -330,10 +355,8 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
         rows = shape.max_threads // shape.tx
         return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
     if kind in ("prefill", "cascade"):
-        stages = shape.kv_tile * (shape.key_stages * head_dim + shape.stages * head_dim_vo) * size
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
-        return LaunchConfig((shape.block_threads, 1, 1), rows,
-                            stages + rows * head_dim * size + DISTANCE_TABLE_BYTES, shape.kv_tile)
+        return LaunchConfig((shape.block_threads, 1, 1), rows, shape.smem_bytes, shape.kv_tile)
     stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)
     tz = max(1, _MIN_THREADS // (shape.tx * rows))

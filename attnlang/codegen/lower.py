@@ -50,7 +50,7 @@ from attnlang.codegen.c_expr import (
     uses_dim,
 )
 from attnlang.codegen.config import fine_tiles
-from attnlang.codegen.distance_terms import lower_distance
+from attnlang.codegen.distance_terms import distance_term, lower_distance
 from attnlang.codegen.mask_tiles import lower_mask_tile
 from attnlang.codegen.tile_uniform import lower_uniform
 
@@ -131,6 +131,9 @@ class Hooks:
     # The variant has a per-pair mask (`bool[q, kv]`): the prefill kernel then takes finer
     # KV tiles (config.template_shape's fine_tiles).
     pair_masks: bool = False
+    # The logits have a distance term (attnlang.codegen.distance_terms): the prefill kernel's
+    # table then takes a K stage's shared memory where it can (template_shape's distance_table).
+    distance_table: bool = False
 
     @property
     def source(self) -> str:
@@ -408,6 +411,7 @@ def lower(variant: ir.Variant) -> Hooks:
         stage_lines=tuple(stage_lines),
         kv_reads_request=reads_request(variant.key) or reads_request(variant.value),
         pair_masks=fine_tiles(variant.params),
+        distance_table=distance_term(variant.logits) is not None,
     )
 
 

@@ -181,7 +181,8 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
     the Hopper helpers (prefill only). kv_dtype: the cache's element type (None: dtype);
     ``kv_ctype`` is its C type and ``kv_source`` its ``kv_scales``.
     """
-    shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo, hooks.pair_masks)
+    shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo, hooks.pair_masks,
+                                  hooks.distance_table)
     kv_ctype, kv_source = _kv_source(hooks, kv_dtype, dtype)
     cascade = kind == "cascade"
     if cascade and hooks.kv_reads_request:

@@ -264,6 +264,31 @@ def test_fine_tiles_for_pair_masks():
             config.fine_tiles(variant.params)).kv_tile
 
 
+def test_distance_table_shape():
+    # A variant with a distance term takes a K stage less on the d128 wgmma path and gives its
+    # 32 KB to the distance table: the same shared memory in all, so a launch (which knows no
+    # variant) sizes it right. Other paths and head dims keep their shape.
+    plain = config.template_shape("prefill", 128, "bfloat16", "sm_90a")
+    wide = config.template_shape("prefill", 128, "bfloat16", "sm_90a", distance_table=True)
+    assert (plain.key_stages, wide.key_stages, wide.stages) == (3, 2, 3)
+    assert wide.smem_bytes == plain.smem_bytes == config.launch_config(
+        "prefill", 128, 4, "bfloat16", "sm_90a").smem_bytes
+    assert wide.distance_table_floats == (config.DISTANCE_TABLE_BYTES + 128 * 128 * 2 - 128) // 4
+    assert plain.distance_table_floats == 736
+    for dims, arch, fine in (((256, None), "sm_90a", False), ((64, None), "sm_90a", False),
+                             ((192, 128), "sm_90a", False), ((128, None), None, False),
+                             ((128, None), "sm_90a", True)):
+        assert (config.template_shape("prefill", dims[0], "bfloat16", arch, dims[1], fine, True)
+                == config.template_shape("prefill", dims[0], "bfloat16", arch, dims[1], fine))
+    # render splices it for T5 (a distance term), not for causal
+    t5 = attnlang.load(ROOT / "examples" / "t5_bias.attn")
+    causal = attnlang.load(ROOT / "examples" / "causal.attn")
+    assert lower(t5).distance_table and not lower(causal).distance_table
+    for variant, stages, floats in ((t5, 2, wide.distance_table_floats), (causal, 3, 736)):
+        ctx = context(lower(variant), "prefill", "bfloat16", 128, "sm_90a")
+        assert (ctx["key_stages"], ctx["distance_table_floats"]) == (stages, floats)
+
+
 def test_launch_config_merge_and_errors():
     cfg = config.launch_config("merge", 64, 8, "bfloat16")
     assert cfg.block == (8, 16, 1) and cfg.rows_per_tile == 16 and cfg.smem_bytes == 0

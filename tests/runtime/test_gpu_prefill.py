@@ -360,10 +360,12 @@ def test_value_head_dim_through_the_c_path(cp):
 
 # ---------------------------------------------------------------------------- distance tables
 
-# T5's bias and Sandwich's cosines are tabulated per KV tile (attnlang.codegen.distance_terms)
-# where a tile is not tile-uniform: per head for T5, so at 8 query heads per KV head its table
-# (8 x 168 entries) does not fit and those tiles compute the term per score; at 2 it does.
-# Long prompts beside a decode step and a split request: every kind of tile.
+# T5's bias and Sandwich's cosines are tabulated (attnlang.codegen.distance_terms,
+# kernels_templates/distance_table.cuh) where a tile is not tile-uniform: per head for T5, so
+# at 8 query heads per KV head its table (8 x 168 entries) does not fit the 736 floats of the
+# mma.sync path and those tiles compute the term per score; at 2 it does (the d128 wgmma
+# path's 8,928 floats hold both). Long prompts beside a decode step and a split request:
+# every kind of tile.
 @pytest.mark.parametrize("variant_id, group", [("t5_bias", 2), ("t5_bias", 8),
                                                ("sandwich", 8)])
 def test_distance_tables(cp, error_log, variant_id, group):
@@ -372,3 +374,15 @@ def test_distance_tables(cp, error_log, variant_id, group):
                   page_size=16, seed=zlib.crc32(f"{variant_id}{group}".encode()),
                   error_log=error_log, where=f"distance table {variant_id} g{group}",
                   kv_chunk_size=256)
+
+
+# The table holds a run of tiles: T5's band (the last 2-3 tiles of a work item) fills it once,
+# in items of 79 and 36 tiles (the uniform window's 32 apart); Sandwich's tiles, every one of
+# them varying, fill the d128 wgmma path's 8,928 distances twice in the 79-tile item.
+@pytest.mark.parametrize("variant_id, group", [("t5_bias", 4), ("sandwich", 1)])
+def test_distance_table_runs(cp, error_log, variant_id, group):
+    run_and_check(cp, attnlang.load(VARIANT_PATHS[variant_id]), [64, 200], [10000, 4500],
+                  num_qo_heads=2 * group, num_kv_heads=2, head_dim=128, dtype="bfloat16",
+                  page_size=16, seed=zlib.crc32(f"runs {variant_id}{group}".encode()),
+                  error_log=error_log, where=f"distance table runs {variant_id} g{group}",
+                  kv_chunk_size=16384)

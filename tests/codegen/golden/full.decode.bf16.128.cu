@@ -1209,6 +1209,18 @@ struct UniformWindow {
       return (uniform_bits >> (tile - base)) & 1u;
     }
   }
+
+  // How many tiles in a row from `tile` (the last one asked for, not uniform) have terms that
+  // are not one value each, as far as the window sees: 1 at least, up to the window's end;
+  // every tile without tile-uniform terms.
+  __device__ __forceinline__ int varying_run(const int tile) const {
+    if constexpr (variant::kUniformTerms == 0) {
+      return 1 << 30;
+    } else {
+      const unsigned uniform_ahead = uniform_bits >> (tile - base);
+      return uniform_ahead == 0u ? 32 - (tile - base) : __ffs(uniform_ahead) - 1;
+    }
+  }
 };
 
 }  // namespace attnlang

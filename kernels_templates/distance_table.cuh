@@ -1,0 +1,104 @@
+// distance_table.cuh: the prefill kernel's table of the logits' distance term
+// (attnlang/codegen/distance_terms.py) over a work item's KV tiles. Spliced into
+// prefill.cu.j2 in namespace attnlang::prefill_kernel, after prefill_scores.cuh.
+//
+// The term depends on a score's distance q_pos - kv_pos (and, kDistanceByHead, its query
+// head) only, so one table over a range of distances serves every tile whose scores fall in
+// it. Entry h * stride + (d - lo) is the term at distance d for query head head0 + h (h is 0
+// without kDistanceByHead). A tile whose distances are not all held fills the table anew,
+// with the tiles ahead whose terms vary (tiles with tile-uniform terms read none) as far as
+// its capacity allows: T5's band (the diagonal tile and the one or two before it) then fills
+// once per work item, and sandwich's (no head in it) once per 69 tiles. A work item's tiles come in
+// increasing order, so each one's distances are below the previous one's: the table holds a
+// tile's when it reaches down to its lowest.
+//
+// A fill is two barriers of the computing threads (none may still read the old entries;
+// every new one in place). A shape with a distance term gives the table a K stage's shared
+// memory (config.template_shape's distance_table): 8,928 floats at head dim 128, where the
+// 736 of other shapes hold one tile's distances at 4 query heads per KV head.
+
+// Entries a thread evaluates in one straight run: their table reads in flight together
+// (behind a branch each, every read was waited for before the next began). With a producer
+// the first run's reads are in flight during the barrier before the stores; the mma.sync
+// path's registers hold 3 without spilling more.
+constexpr int kDistanceRun = kProducer ? 5 : 3;
+
+struct DistanceTable {
+  float* table;          // kDistanceFloats of shared memory
+  int stride;            // floats from one head's entries to the next: distances it holds
+  int lo = 0x7fffffff;   // the lowest distance held (none at first)
+
+  // The table for `heads` query heads (the KV head's group with kDistanceByHead, else 1). A
+  // head's entries start 8 banks after the previous head's (mod 32): at 4 query heads per KV
+  // head the rows a warp reads at once (4 heads x 2 queries) then hit 32 distinct banks.
+  __device__ __forceinline__ DistanceTable(float* const region, const int heads)
+      : table(region) {
+    const int most = kDistanceFloats / heads;
+    stride = heads == 1 ? most : most - ((most - 8) & 31);
+  }
+
+  // Can a tile's distances fit at all? (Else the term is evaluated per score.)
+  __device__ __forceinline__ bool fits(const int distances) const { return distances <= stride; }
+
+  // Does the table hold the distances of the tile whose lowest is d0?
+  __device__ __forceinline__ bool holds(const int d0) const { return lo <= d0; }
+
+  // The table seen from a tile whose lowest distance is d0 (the CTA's first query less the
+  // tile's last key): Index::distance_row - c is then key c's entry (prefill_scores.cuh).
+  __device__ __forceinline__ const float* at(const int d0) const { return table + (d0 - lo); }
+
+  // Fill the table with the distances new_lo .. hi (at most stride of them); every computing
+  // thread calls it, and a compute_sync() after it publishes the entries. kSyncFirst: one
+  // before the first store too (no thread may still read the old table), the first entries'
+  // reads in flight meanwhile.
+  template <bool kSyncFirst>
+  __device__ __forceinline__ void fill(const int new_lo, const int hi, const int heads,
+                                       const int head0, const variant::Params& params,
+                                       const Index& ix) {
+    lo = new_lo;
+    const int n = hi - new_lo + 1;
+    const int entries = heads * n;
+    int e0 = 0;
+    if constexpr (kSyncFirst) {
+      fill_run<kDistanceRun, true>(e0, entries, n, head0, params, ix);
+      e0 = kDistanceRun * kThreads;
+    }
+    for (; e0 < entries; e0 += kDistanceRun * kThreads) {
+      fill_run<kDistanceRun, false>(e0, entries, n, head0, params, ix);
+    }
+  }
+
+ private:
+  // Entries e0 + threadIdx.x + k kThreads (k < kCount) evaluated, then stored (kSync: after
+  // compute_sync). kCount is the fewest runs that cover what is left (a branch uniform over
+  // the CTA): a costly term (sandwich's 64 cosines) is not evaluated for entries past the
+  // table. A lane past it evaluates the last entry instead of branching around the evaluation.
+  template <int kCount, bool kSync>
+  __device__ __forceinline__ void fill_run(const int e0, const int entries, const int n,
+                                           const int head0, const variant::Params& params,
+                                           Index ix) const {
+    if constexpr (kCount > 1) {
+      if (entries - e0 <= (kCount - 1) * kThreads) {
+        fill_run<kCount - 1, kSync>(e0, entries, n, head0, params, ix);
+        return;
+      }
+    }
+    const int thread = static_cast<int>(threadIdx.x);
+    float values[kCount];
+    int slots[kCount];
+#pragma unroll
+    for (int k = 0; k < kCount; ++k) {
+      const int e = imin(e0 + thread + k * kThreads, entries - 1);
+      const int h = variant::kDistanceByHead ? e / n : 0;
+      const int i = e - h * n;
+      ix.head = head0 + h;
+      values[k] = variant::distance_term(lo + i, params, ix);
+      slots[k] = h * stride + i;
+    }
+    if constexpr (kSync) compute_sync();
+#pragma unroll
+    for (int k = 0; k < kCount; ++k) {
+      if (e0 + thread + k * kThreads < entries) table[slots[k]] = values[k];
+    }
+  }
+};
