@@ -8,9 +8,9 @@
 // without kDistanceByHead). A tile whose distances are not all held fills the table anew,
 // with the tiles ahead whose terms vary (tiles with tile-uniform terms read none) as far as
 // its capacity allows: T5's band (the diagonal tile and the one or two before it) then fills
-// once per work item, and sandwich's (no head in it) once per 69 tiles. A work item's tiles come in
-// increasing order, so each one's distances are below the previous one's: the table holds a
-// tile's when it reaches down to its lowest.
+// once per work item, and sandwich's (no head in it) once per 69 tiles. With a producer the
+// kernel fills it for a work item's last varying tiles before the item's first barrier
+// (varying_tail), so T5's band needs no fill in the tile loop.
 //
 // A fill is two barriers of the computing threads (none may still read the old entries;
 // every new one in place). A shape with a distance term gives the table a K stage's shared
@@ -26,7 +26,8 @@ constexpr int kDistanceRun = kProducer ? 5 : 3;
 struct DistanceTable {
   float* table;          // kDistanceFloats of shared memory
   int stride;            // floats from one head's entries to the next: distances it holds
-  int lo = 0x7fffffff;   // the lowest distance held (none at first)
+  int lo = 0x7fffffff;   // the distances held: lo .. hi (none at first)
+  int hi = -0x7fffffff;
 
   // The table for `heads` query heads (the KV head's group with kDistanceByHead, else 1). A
   // head's entries start 8 banks after the previous head's (mod 32): at 4 query heads per KV
@@ -40,23 +41,28 @@ struct DistanceTable {
   // Can a tile's distances fit at all? (Else the term is evaluated per score.)
   __device__ __forceinline__ bool fits(const int distances) const { return distances <= stride; }
 
-  // Does the table hold the distances of the tile whose lowest is d0?
-  __device__ __forceinline__ bool holds(const int d0) const { return lo <= d0; }
+  // Does the table hold the distances d0 .. d1 (a tile's)? Filled in the tile loop only (no
+  // producer), it does where it reaches down to d0: the item's tiles come in increasing
+  // order, so each one's distances are below those of the tile that filled it.
+  __device__ __forceinline__ bool holds(const int d0, const int d1) const {
+    return lo <= d0 && (!kProducer || d1 <= hi);
+  }
 
   // The table seen from a tile whose lowest distance is d0 (the CTA's first query less the
   // tile's last key): Index::distance_row - c is then key c's entry (prefill_scores.cuh).
   __device__ __forceinline__ const float* at(const int d0) const { return table + (d0 - lo); }
 
-  // Fill the table with the distances new_lo .. hi (at most stride of them); every computing
-  // thread calls it, and a compute_sync() after it publishes the entries. kSyncFirst: one
-  // before the first store too (no thread may still read the old table), the first entries'
-  // reads in flight meanwhile.
+  // Fill the table with the distances new_lo .. new_hi (at most stride of them); every
+  // computing thread calls it, and a compute_sync() after it publishes the entries.
+  // kSyncFirst: one before the first store too (no thread may still read the old table), the
+  // first entries' reads in flight meanwhile.
   template <bool kSyncFirst>
-  __device__ __forceinline__ void fill(const int new_lo, const int hi, const int heads,
+  __device__ __forceinline__ void fill(const int new_lo, const int new_hi, const int heads,
                                        const int head0, const variant::Params& params,
                                        const Index& ix) {
     lo = new_lo;
-    const int n = hi - new_lo + 1;
+    hi = new_hi;
+    const int n = new_hi - new_lo + 1;
     const int entries = heads * n;
     int e0 = 0;
     if constexpr (kSyncFirst) {

@@ -94,6 +94,7 @@ inline unsigned __funnelshift_r(unsigned lo, unsigned hi, unsigned shift) {
 inline size_t __cvta_generic_to_shared(const void* p) { return (size_t)p; }
 inline unsigned __umulhi(unsigned a, unsigned b) { return (unsigned)(((uint64_t)a * b) >> 32); }
 inline int __ffs(int x) { return __builtin_ffs(x); }
+inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 // Inline PTX the harness does not emulate (other kernels' helpers): fatal if ever reached.
 inline void emu_unsupported(int line) {
   fprintf(stderr, "EMU: inline PTX at line %d is not emulated\n", line);

@@ -386,3 +386,17 @@ def test_distance_table_runs(cp, error_log, variant_id, group):
                   page_size=16, seed=zlib.crc32(f"runs {variant_id}{group}".encode()),
                   error_log=error_log, where=f"distance table runs {variant_id} g{group}",
                   kv_chunk_size=16384)
+
+
+# With a producer (Hopper) the table is filled for a work item's last varying tiles before
+# its tile loop; a band of varying tiles before them (here 2048 keys behind the diagonal) is
+# not in that table, fills it anew, and the last tiles then fill it again.
+def test_distance_table_two_bands(cp, error_log):
+    source = VARIANT_PATHS["t5_bias"].read_text().replace(
+        "let distance = max(q_pos - kv_pos, 0)",
+        "let distance = min(abs(q_pos - kv_pos), abs(q_pos - kv_pos - 2048))")
+    assert "2048" in source
+    run_and_check(cp, attnlang.parse(source), [64, 200], [5000, 3000], num_qo_heads=8,
+                  num_kv_heads=2, head_dim=128, dtype="bfloat16", page_size=16,
+                  seed=zlib.crc32(b"two bands"), error_log=error_log,
+                  where="distance table two bands", kv_chunk_size=16384)
