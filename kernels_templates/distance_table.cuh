@@ -12,10 +12,13 @@
 // kernel fills it for a work item's last varying tiles before the item's first barrier
 // (varying_tail), so T5's band needs no fill in the tile loop.
 //
-// A fill is two barriers of the computing threads (none may still read the old entries;
-// every new one in place). A shape with a distance term gives the table a K stage's shared
-// memory (config.template_shape's distance_table): 8,928 floats at head dim 128, where the
-// 736 of other shapes hold one tile's distances at 4 query heads per KV head.
+// A fill in the tile loop is two barriers of the computing threads (none may still read the
+// old entries; every new one in place), and puts the two computing warpgroups, which run
+// out of step there, in step: T5 prefill S4096 0.88x of causal with its band filled in the
+// loop, 0.90x before it (benchmarks/NOTES.md). A shape with a distance term gives the table
+// a K stage's shared memory (config.template_shape's distance_table): 8,928 floats at head
+// dim 128, where the 736 of other shapes hold one tile's distances at 4 query heads per KV
+// head.
 
 // Entries a thread evaluates in one straight run: their table reads in flight together
 // (behind a branch each, every read was waited for before the next began). With a producer
