@@ -1241,6 +1241,7 @@ __device__ __forceinline__ int varying_tail(const int tiles, const int lane, con
   if constexpr (variant::kUniformTerms == 0) {
     return tiles;
   } else {
+    if (tiles <= 0) return tiles;  // no keys (uniform over the warp)
     const int base = imax(tiles - 32, 0);
     UniformWindow<kTileKeys> probe;
     variant::Uniform values;
