@@ -20,7 +20,11 @@ __all__ = ["TRIM_TILE", "Trim", "trim", "reads_head"]
 # KV tiles of the planner's mask analysis: at least this many keys (a multiple of the
 # kernel's KV tile, so trimmed spans start on kernel tile boundaries). Coarser tiles make
 # fewer (unit, tile) pairs to classify; the kernel still skips its own finer EMPTY tiles.
+# A per-pair mask's layout can hide its blocks from coarse tiles (a random layout of 64 x 64
+# blocks leaves 75% of 128-key tiles non-EMPTY, 50% of 64-key ones), so costs follow its
+# finer tiles, at twice the classification time.
 TRIM_TILE = 128
+TRIM_TILE_PAIRS = 64
 
 
 @dataclass(frozen=True, eq=False)
@@ -47,6 +51,19 @@ class Trim:
         off = self.pair_off if unit is None else self.pair_off[unit]
         vis = self.cum[off + np.maximum(t1, t0)] - self.cum[off + t0]
         return np.where(tiled, np.minimum(vis, kv1 - kv0), kv1 - kv0)
+
+    def kv_at(self, unit, kv0, amount) -> np.ndarray:
+        """Per range: the first tile boundary after kv0 (a tile boundary) with `amount`
+        (> 0) visible positions between them by visible_between's count; past the unit's
+        last tile, that tile's end. unit: as visible_between's."""
+        aligned = kv0 + -(-amount // self.tile) * self.tile  # every position visible
+        if self.cum is None:
+            return aligned
+        ntile = self.ntile if unit is None else self.ntile[unit]
+        off = self.pair_off if unit is None else self.pair_off[unit]
+        t0 = np.minimum(kv0 // self.tile, ntile)
+        reached = np.searchsorted(self.cum, self.cum[off + t0] + amount, side="left") - off
+        return np.where(ntile > 0, np.clip(reached, t0 + 1, ntile) * self.tile, aligned)
 
 
 @functools.cache
@@ -102,7 +119,7 @@ def trim(mask, qo, kv, u, group_size, num_kv_heads, head_dim, kv_align,
     mt = _mask_tiles()
     EMPTY, FULL, PARTIAL, TileEnv, classify_tiles = (  # noqa: N806
         mt.EMPTY, mt.FULL, mt.PARTIAL, mt.TileEnv, mt.classify_tiles)
-    tile = -(-TRIM_TILE // kv_align) * kv_align
+    tile = -(-(TRIM_TILE_PAIRS if pairs else TRIM_TILE) // kv_align) * kv_align
     ci, req, qo_c, lo, hi, kvh = u.classes(qo, reads_head(mask))
     kv_len = kv[req]
     q_first = kv_len - qo_c

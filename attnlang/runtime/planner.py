@@ -21,7 +21,9 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
 3. Assignment (`plan_assign`). Chunks are sorted by cost (longest first; ties by creation
    order) and each goes to the CTA with the least accumulated cost (ties by CTA index).
    Everything is integer and ordered, so the same lengths always give bit-identical arrays:
-   no atomics.
+   no atomics. With `level_ctas` (the prefill kernel's list), when nothing is split the last
+   units are then cut where each CTA's share of them ends, if that finishes sooner, merge
+   included (`plan_balance`).
 4. Partial states. Unsplit chunks write the output directly (``work_partial == -1``); split
    ones write partial (o, lse) rows, and the merge arrays list, for every (token, head) of a
    split request, its partial rows in KV order.
@@ -48,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from attnlang.runtime import plan_assign, plan_trim
+from attnlang.runtime import plan_assign, plan_balance, plan_trim
 
 __all__ = [
     "ROW_COST", "KV_COST", "MIN_KV_CHUNK", "PREFILL_MIN_ROWS", "PlanError", "CapacityError",
@@ -65,6 +67,20 @@ KV_COST = 1
 # Never split a request's KV below this many positions: a chunk this short costs about as
 # much in setup and merging as it saves, and it keeps short requests whole.
 MIN_KV_CHUNK = 256
+# The merge kernel in the same units, where a plan's makespan is weighed against another's
+# (`plan_balance`): it runs after the attention kernels on the whole GPU, so its time adds to
+# the makespan. A KV position of a 128-row prefill item is ~17 ns of an SM's time (d128 at
+# 500 TFLOP/s); the merge's launch is ~4 us (256 positions), and each partial row it reads
+# (4 * head_dim + 4 bytes) with its share of the output row takes the whole GPU's HBM about
+# 1/64 of a position (both scale alike with head_dim). benchmarks/NOTES.md, "Levelled
+# prefill lists", has the measurements these are checked against.
+MERGE_LAUNCH_COST = 256
+MERGE_ROW_COST = 1 / 64
+# Fewest fused rows per unit (on average) for levelling a list (`plan_balance`): items this
+# wide keep their SM's tensor cores busy, so the slowest CTA is the kernel's time. Narrower
+# ones (decode batches in the prefill kernel: one query of each head of a GQA group) stream
+# KV from HBM, whose bandwidth the CTAs that finish first leave to the others.
+LEVEL_MIN_ROWS = 64
 # Requests with more fused rows (qo_len * group_size) than this run in the prefill kernel (tensor
 # cores), the others in the decode kernel (CUDA cores). The decode kernel reads each K/V row
 # from shared memory once per fused row and spends ~20 warp-instructions per key and row: at
@@ -304,6 +320,7 @@ def plan_batch(
     mask: Any = None,
     head_dim: int | None = None,
     pairs: Any = None,
+    level_ctas: bool = False,
 ) -> Plan:
     """Schedule a ragged batch over `num_ctas` CTAs. Pure CPU, deterministic.
 
@@ -324,6 +341,9 @@ def plan_batch(
             costed by its non-EMPTY tiles only (`plan_trim.trim`). None: the whole [0, kv_len).
         pairs: the per-pair masks of the batch by name (`pairmask.PairBlocks`): the analysis
             classes their reads by the blocks (without them: unknown).
+        level_ctas: the kernel's CTAs each run at their own SM's pace (the prefill kernel):
+            when nothing is split, cut the last items where each CTA's share ends
+            (`plan_balance`), within `bounds`, if that finishes sooner.
 
     Returns a Plan. Requests with qo_len == 0 produce no work. Example::
 
@@ -344,7 +364,7 @@ def plan_batch(
     return _schedule(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
                      rows_per_tile=rows_per_tile, num_ctas=num_ctas, min_kv_chunk=min_kv_chunk,
                      kv_align=kv_align, kv_chunk_size=kv_chunk_size, bounds=bounds, mask=mask,
-                     head_dim=head_dim, pairs=pairs)
+                     head_dim=head_dim, pairs=pairs, level_bounds=bounds if level_ctas else None)
 
 
 def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
@@ -377,8 +397,12 @@ def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
 
 def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
               kv_align, kv_chunk_size, bounds, mask, head_dim, pairs=None, lens32=None,
-              kv_from=None, force_split=None) -> Plan:
+              kv_from=None, force_split=None, level_bounds=None) -> Plan:
     """plan_batch after its checks (lengths from _lengths, arguments positive).
+
+    level_bounds: the capacities (a PlanBounds) the levelling step (`plan_balance`) may fill
+    when nothing else is split and the bound is automatic; None: no levelling (plan_batch's
+    level_ctas).
 
     lens32: the frozen int32 copies of (qo, kv) for the Plan, when the caller has them.
     kv_from [batch] (cascades, `plan_cascade`): request b's units cover KV positions from
@@ -427,15 +451,28 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         bound, align = int(kv_chunk_size), 1
     if int(span.max()) <= bound and (forced is None or not forced.any()):
         # Nothing split (decode batches that fill the GPU): one item per unit, its whole span
-        # (what the general path below computes for unit_n == 1), no partial rows, no merges.
+        # (what the general path below computes for unit_n == 1), no partial rows, no merges;
+        # or, levelling, the last units cut where the CTAs' shares end.
         _check_bound(bounds.max_work_items, "max_work_items", num_units, "work items")
         kv0 = np.zeros(num_units, dtype=np.int64) if span0 is None else span0
         kv_cost = span if trim is None else trim.visible_between(None, kv0, span1)
         cost = ROW_COST * u.rows + KV_COST * kv_cost
-        fields_ = (u.req, u.kvh, u.row0, kv0, span1, np.full(num_units, -1, dtype=np.int64))
-        work = _work_lists(cost, fields_, num_ctas)
-        return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound,
-                     work, _NO_MERGE, 0)
+        lpt = _longest_first(cost, num_ctas)
+        levelled = None
+        if level_bounds is not None and kv_from is None and kv_chunk_size is None:
+            levelled = _levelled(u, cost, lpt, kv0, span1, trim, kv_align, num_ctas,
+                                 level_bounds)
+        if levelled is None:
+            fields_ = (u.req, u.kvh, u.row0, kv0, span1, np.full(num_units, -1, dtype=np.int64))
+            work = _work_lists(cost, fields_, num_ctas, lpt)
+            return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile,
+                         bound, work, _NO_MERGE, 0)
+        unit_n = np.bincount(levelled.unit, minlength=num_units)
+        order = np.argsort(levelled.rank)
+        return _chunked(qo, kv, lens32, u, unit_n, unit_n > 1, levelled.unit, levelled.kv0,
+                        levelled.kv1, trim, (order, levelled.cta[order]), bound=bound,
+                        bounds=bounds, num_ctas=num_ctas, num_kv_heads=num_kv_heads,
+                        group_size=group_size, rows_per_tile=rows_per_tile)
 
     unit_n = np.maximum(-(-span // bound), 1)  # empty span: one empty chunk, unsplit
     chunk_len = -(-span // unit_n)
@@ -451,6 +488,52 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     item_c = np.arange(item_unit.shape[0], dtype=np.int64) - item_first[item_unit]
     item_kv0 = span0[item_unit] + item_c * chunk_len[item_unit]
     item_kv1 = np.minimum(item_kv0 + chunk_len[item_unit], span1[item_unit])
+    return _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv1,
+                    trim, None, bound=bound, bounds=bounds, num_ctas=num_ctas,
+                    num_kv_heads=num_kv_heads, group_size=group_size,
+                    rows_per_tile=rows_per_tile)
+
+
+def _levelled(u, cost, lpt, kv0, kv1, trim, kv_align, num_ctas, capacities):
+    """`plan_balance.level_tail` of the units, or None where their rows are too few (mean
+    below LEVEL_MIN_ROWS), it declines, or its pieces would not fit the capacities (a
+    PlanBounds)."""
+    if u.rows.mean() < LEVEL_MIN_ROWS:
+        return None
+
+    def visible(units, a, b):
+        return KV_COST * (b - a if trim is None else trim.visible_between(units, a, b))
+
+    def kv_at(units, a, amount):
+        positions = -(-amount // KV_COST)
+        if trim is None:
+            return a + -(-positions // kv_align) * kv_align
+        return trim.kv_at(units, a, positions)
+
+    units = plan_balance.Units(cost=cost, fixed=ROW_COST * u.rows,
+                               partial=MERGE_ROW_COST * u.rows, span0=kv0, span1=kv1,
+                               visible=visible, kv_at=kv_at)
+    out = plan_balance.level_tail(units, lpt, num_ctas, MERGE_LAUNCH_COST)
+    if out is None:
+        return None
+    split = np.bincount(out.unit, minlength=cost.shape[0]) > 1
+    partial_rows = int(u.rows[out.unit[split[out.unit]]].sum())
+    merge_rows = int(u.rows[split].sum())
+    for capacity, needed in ((capacities.max_work_items, out.unit.shape[0]),
+                             (capacities.max_partial_rows, partial_rows),
+                             (capacities.max_merge_rows, merge_rows)):
+        if capacity is not None and needed > capacity:
+            return None
+    return out
+
+
+def _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv1, trim,
+             assigned, *, bound, bounds, num_ctas, num_kv_heads, group_size,
+             rows_per_tile) -> Plan:
+    """The plan of units cut into items: item_* [items] in (unit, KV) order, unit_n [units]
+    items per unit, unit_split [units] whether its items write partial states. assigned:
+    the items' (order, cta) as `_longest_first` gives them (levelled), or None for
+    longest-first assignment."""
     item_rows = u.rows[item_unit]
     num_items = item_unit.shape[0]
     _check_bound(bounds.max_work_items, "max_work_items", num_items, "work items")
@@ -458,6 +541,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         item_kv_cost = item_kv1 - item_kv0
     else:
         item_kv_cost = trim.visible_between(item_unit, item_kv0, item_kv1)
+    item_first = np.cumsum(unit_n) - unit_n
 
     # 4 (before 3: slots depend on creation order only). Partial rows, allocated in item order.
     item_split = unit_split[item_unit]
@@ -468,14 +552,14 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     _check_bound(bounds.max_partial_rows, "max_partial_rows", num_partial_rows,
                  "partial rows (split-KV states)")
 
-    # 3. Longest chunk first to the least-loaded CTA.
+    # 3. Longest chunk first to the least-loaded CTA (or the levelled CTAs).
     cost = ROW_COST * item_rows + KV_COST * item_kv_cost
     fields_ = (u.req[item_unit], u.kvh[item_unit], u.row0[item_unit], item_kv0, item_kv1,
                item_partial)
-    work = _work_lists(cost, fields_, num_ctas)
+    work = _work_lists(cost, fields_, num_ctas, assigned)
 
-    merge = _merge_rows(qo, unit_split, unit_n, u.req, u.tiles, u.first, u.row0,
-                        item_first, item_partial, group_size, num_kv_heads, rows_per_tile)
+    merge = _merge_rows(qo, u, unit_split, unit_n, item_first, item_partial, group_size,
+                        num_kv_heads)
     _check_bound(bounds.max_merge_rows, "max_merge_rows", merge.count, "merge rows")
     return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound,
                  work, merge, num_partial_rows)
@@ -571,27 +655,31 @@ def _frozen_units(group_size, **arrays) -> _Units:
     return _Units(group_size=group_size, **arrays)
 
 
-def _work_lists(cost, item_fields, num_ctas):
-    """Longest item first to the least-loaded CTA, grouped by CTA in assignment order.
-
-    item_fields: the six [items] int64 arrays of the kernel's work list (request, kv_head,
-    row_start, kv_start, kv_end, partial), in creation order. Returns (work_indptr, block):
-    int32 read-only, block [6, items] holding the fields in work-list order (its rows are the
-    contiguous work_* arrays)."""
+def _longest_first(cost: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """Longest item first to the least-loaded CTA: (order, cta), the items in assignment
+    order (cost descending, ties by creation order) and the CTA each of them takes."""
     n = cost.shape[0]
     if n and int(cost.min()) == int(cost.max()) > 0:
         # All equal (uniform decode batches): creation order, round robin from CTA 0 (what
         # the sort and plan_assign.assign give), so CTA c runs items c, c + m, c + 2m, ...
-        cta_of_sorted = np.arange(n, dtype=np.int64) % num_ctas
-        grid = np.arange(-(-n // num_ctas) * num_ctas).reshape(-1, num_ctas).T.ravel()
-        items = grid[grid < n]
-    else:
-        order = np.argsort(-cost, kind="stable")
-        cta_of_sorted = plan_assign.assign(cost[order], num_ctas)
-        # Group by CTA, keeping assignment order within a CTA.
-        items = order[np.argsort(cta_of_sorted, kind="stable")]
+        order = np.arange(n, dtype=np.int64)
+        return order, order % num_ctas
+    order = np.argsort(-cost, kind="stable")
+    return order, plan_assign.assign(cost[order], num_ctas)
+
+
+def _work_lists(cost, item_fields, num_ctas, assigned=None):
+    """The items grouped by CTA, in assignment order within each CTA.
+
+    item_fields: the six [items] int64 arrays of the kernel's work list (request, kv_head,
+    row_start, kv_start, kv_end, partial), in creation order. assigned: `_longest_first`'s
+    (order, cta) where the caller has it (or another assignment in that form); None:
+    computed here. Returns (work_indptr, block): int32 read-only, block [6, items] holding
+    the fields in work-list order (its rows are the contiguous work_* arrays)."""
+    order, cta_of = _longest_first(cost, num_ctas) if assigned is None else assigned
+    items = order[np.argsort(cta_of, kind="stable")]
     work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
-    np.cumsum(np.bincount(cta_of_sorted, minlength=num_ctas), out=work_indptr[1:])
+    np.cumsum(np.bincount(cta_of, minlength=num_ctas), out=work_indptr[1:])
     work_indptr.setflags(write=False)
     # One int32 conversion and one gather for all six arrays (np.take keeps rows contiguous).
     block = np.take(np.array(item_fields, dtype=np.int32), items, axis=1)
@@ -662,36 +750,29 @@ class _Merge:
 _NO_MERGE = _Merge(0, _ZERO_I32, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32, _EMPTY_I32)
 
 
-def _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit_of_req, unit_row0,
-                unit_first_item, item_partial, group_size, num_kv_heads, rows_per_tile) -> _Merge:
-    """The merge rows, ordered (request, token, head).
+def _merge_rows(qo, u, unit_split, unit_n, unit_first_item, item_partial,
+                group_size, num_kv_heads) -> _Merge:
+    """The merge rows, ordered (request, token, head): every (token, head) of a split unit.
 
-    Units are numbered (request, kv_head, tile) from first_unit_of_req[request]; the items of
-    a unit are its unit_n[unit] chunks in KV order from unit_first_item[unit]; a merge row is
-    a (token, head) whose unit is split. The partial row of (token i, head kv_head * group + g)
-    in chunk c is ``item_partial[unit_first_item[unit] + c] + (i * group + g - row_start)``.
+    The items of unit x are its unit_n[x] chunks in KV order from unit_first_item[x]; the
+    partial row of its fused row f (token f // group, head kv_head * group + f % group) in
+    chunk c is ``item_partial[unit_first_item[x] + c] + (f - row_start)``.
     """
-    if not unit_split.any():
+    split = np.flatnonzero(unit_split)
+    if not split.size:
         return _NO_MERGE
-    # Requests with a split unit, ascending.
-    reqs = np.flatnonzero(np.bincount(unit_req[unit_split], minlength=qo.shape[0]))
-    num_heads = num_kv_heads * group_size
-    qo_start = np.cumsum(qo) - qo
-
-    rows_per_req = qo[reqs] * num_heads
-    m_req = np.repeat(reqs, rows_per_req)
-    local = np.arange(m_req.shape[0], dtype=np.int64) - np.repeat(
-        np.cumsum(rows_per_req) - rows_per_req, rows_per_req)
-    i = local // num_heads  # token within the request
-    head = local % num_heads
-    kvh, g = head // group_size, head % group_size
-    fused = i * group_size + g
-    tile = fused // rows_per_tile
-    unit = first_unit_of_req[m_req] + kvh * tiles[m_req] + tile
-    keep = unit_split[unit]
-    if not keep.all():  # units of a request may differ (trimmed spans)
-        m_req, i, head, fused, unit = m_req[keep], i[keep], head[keep], fused[keep], unit[keep]
-    offset = fused - unit_row0[unit]
+    unit_rows = u.rows[split]
+    unit = np.repeat(split, unit_rows)
+    offset = np.arange(unit.shape[0], dtype=np.int64) - np.repeat(
+        np.cumsum(unit_rows) - unit_rows, unit_rows)
+    fused = u.row0[unit] + offset
+    m_req = u.req[unit]
+    token = (np.cumsum(qo) - qo)[m_req] + fused // group_size
+    head = u.kvh[unit] * group_size + fused % group_size
+    # Units run (request, kv_head, tile), so each KV head's rows are already in token order:
+    # a stable sort (runs merged) puts them in (token, head) order.
+    order = np.argsort(token * (num_kv_heads * group_size) + head, kind="stable")
+    unit, offset, token, head, m_req = (a[order] for a in (unit, offset, token, head, m_req))
     n = unit_n[unit]
     indptr = np.zeros(n.shape[0] + 1, dtype=np.int64)
     np.cumsum(n, out=indptr[1:])
@@ -700,7 +781,7 @@ def _merge_rows(qo, unit_split, unit_n, unit_req, tiles, first_unit_of_req, unit
     # repeated over the row's slots (np.repeat is cheaper than gathers per slot).
     shift = np.repeat(indptr[:-1] - unit_first_item[unit], n)
     slots = item_partial[np.arange(shift.shape[0], dtype=np.int64) - shift] + np.repeat(offset, n)
-    rows = np.array((qo_start[m_req] + i, head, m_req)).astype(np.int32)  # one conversion
+    rows = np.array((token, head, m_req)).astype(np.int32)  # one conversion
     rows.setflags(write=False)
     return _Merge(count=int(m_req.shape[0]), indptr=_frozen(indptr), slots=_frozen(slots),
                   token=rows[0], head=rows[1], request=rows[2])

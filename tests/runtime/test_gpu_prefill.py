@@ -235,6 +235,21 @@ def test_mixed_decode_and_prefill_batch(cp, error_log, split):
         assert plan.decode.num_split_requests > 0 and plan.prefill.num_split_requests > 0
 
 
+@pytest.mark.parametrize("variant_id, dtype, head_dim, page_size", [
+    ("causal", "bfloat16", 128, 16), ("t5_bias", "float16", 128, 64),
+    ("sliding_window", "bfloat16", 64, 1), ("spec_tree", "float16", 128, 16)])
+def test_levelled_prefill_list(cp, error_log, variant_id, dtype, head_dim, page_size):
+    """The planner levels the prefill list (plan_balance): on 5 CTAs, 56 units of chunked
+    prefill leave longest-first 2-10% uneven, so the last units are cut where each CTA's
+    share ends (pieces starting and ending inside a unit's span, merged after)."""
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    plan, _, _ = run_and_check(
+        cp, variant, (512, 384), (3000, 2800), num_qo_heads=8, num_kv_heads=2,
+        head_dim=head_dim, dtype=dtype, page_size=page_size, seed=29, error_log=error_log,
+        where=f"levelled {variant_id}", num_prefill_ctas=5)
+    assert plan.prefill.merge_count > 0, "the prefill list should be levelled"
+
+
 # ---------------------------------------------------------------------------- runtime
 
 

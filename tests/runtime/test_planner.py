@@ -23,7 +23,7 @@ GEOMETRY = dict(num_kv_heads=2, group_size=4, rows_per_tile=4, num_ctas=16)
 def check_plan(plan, qo, kv):
     """Every (request, kv_head, fused row, kv position) is covered exactly once; the work
     arrays agree with INTERNALS.md; the merge arrays list each split row's partial slots in
-    KV order, each slot exactly once."""
+    KV order, each slot exactly once, and no other rows."""
     qo, kv = np.asarray(qo), np.asarray(kv)
     g, r, hkv = plan.group_size, plan.rows_per_tile, plan.num_kv_heads
     for a in (*plan.work_arrays().values(), *plan.merge_arrays().values()):
@@ -74,10 +74,10 @@ def check_plan(plan, qo, kv):
             pos = kv1
         assert pos == kv[b]
         seen.add((int(t), int(head)))
-    split_requests = {int(plan.work_request[w]) for w in range(plan.num_work_items)
-                      if plan.work_partial[w] >= 0}
-    expected = {(int(qo_start[b] + i), h) for b in split_requests for i in range(qo[b])
-                for h in range(hkv * g)}
+    # Exactly the rows written in parts (all of a split request's, or a levelled list's cut
+    # units').
+    expected = {(int(qo_start[b] + row // g), int(h * g + row % g))
+                for b, h, row, _, _ in slot_owner.values()}
     assert seen == expected
 
 

@@ -1,0 +1,193 @@
+"""The planner's levelling step (attnlang/runtime/plan_balance.py, plan_batch's level_ctas and
+plan_mixed's prefill list): levelled plans still cover every (row, key) exactly once and merge
+their cut rows in KV order, finish sooner than longest-first assignment by the cost model,
+cut at most num_ctas - 1 units at kernel tile boundaries, stay within the capacities, and
+leave alone what they should (narrow decode units, balanced lists, forced chunk sizes). No
+GPU."""
+
+import numpy as np
+import pytest
+
+import attnlang as al
+from attnlang.runtime import plan_balance, plan_trim
+from attnlang.runtime.plan_mixed import Tiling, plan_mixed
+from attnlang.runtime.planner import (
+    LEVEL_MIN_ROWS,
+    MERGE_LAUNCH_COST,
+    PlanBounds,
+    plan_batch,
+)
+from tests.runtime.test_plan_trim import _visible, check_trimmed
+from tests.runtime.test_planner import _causal_attention, _emulate_kernels, check_plan
+
+# 16 units of 128 fused rows per (request, KV head); 2 x 2 x 16 = 64 units on 6 CTAs is
+# 10.67 units a CTA: longest-first gives some CTAs 11, 3% over the mean.
+WIDE = dict(num_kv_heads=2, group_size=4, rows_per_tile=128, num_ctas=6, kv_align=64)
+
+
+def _makespan(plan) -> int:
+    return int(plan.cta_costs().max())
+
+
+def _cut_units(plan) -> int:
+    keys = {(int(b), int(h), int(r)) for b, h, r, p in zip(
+        plan.work_request, plan.work_kv_head, plan.work_row_start, plan.work_partial,
+        strict=True) if p >= 0}
+    return len(keys)
+
+
+@pytest.mark.parametrize("kv", [4096, 8000])
+def test_equal_units_are_levelled(kv):
+    qo, kvs = [512, 512], [kv, kv]
+    plain = plan_batch(qo, kvs, **WIDE)
+    levelled = plan_batch(qo, kvs, **WIDE, level_ctas=True)
+    check_plan(levelled, qo, kvs)
+    assert plain.merge_count == 0 and levelled.merge_count > 0
+    mean = plain.cta_costs().sum() / WIDE["num_ctas"]
+    assert _makespan(plain) > 1.03 * mean
+    # Levelled: the mean plus each CTA's second fixed cost and a tile of rounding.
+    assert _makespan(levelled) <= mean + 2 * 2 * 128 + 64
+    assert _cut_units(levelled) <= WIDE["num_ctas"] - 1
+    starts = levelled.work_kv_start[levelled.work_kv_start > 0]
+    ends = levelled.work_kv_end[levelled.work_kv_end < kv]
+    assert (starts % 64 == 0).all() and (ends % 64 == 0).all(), "cuts off the kernel's tiles"
+    again = plan_batch(qo, kvs, **WIDE, level_ctas=True)
+    assert again.same_as(levelled)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_random_batches_levelled_cover_exactly_once(seed):
+    rng = np.random.default_rng(seed)
+    batch = int(rng.integers(1, 5))
+    kv = rng.integers(300, 3000, batch)
+    qo = np.minimum(rng.integers(128, 600, batch) // 128 * 128 + 128, kv)
+    geom = dict(num_kv_heads=int(rng.integers(1, 4)), group_size=int(rng.choice([1, 2, 4])),
+                rows_per_tile=128, num_ctas=int(rng.integers(2, 12)),
+                kv_align=int(rng.choice([16, 64, 128])))
+    plain = plan_batch(qo, kv, **geom)
+    levelled = plan_batch(qo, kv, **geom, level_ctas=True)
+    check_plan(levelled, qo, kv)
+    if levelled.merge_count:  # taken only where the model says it is sooner, merge and all
+        assert _makespan(levelled) + MERGE_LAUNCH_COST < _makespan(plain)
+        assert _cut_units(levelled) <= geom["num_ctas"] - 1
+    else:
+        assert levelled.same_as(plain)
+
+
+def test_levelled_plan_executed_as_specified_reproduces_attention():
+    rng = np.random.default_rng(3)
+    qo, kv = np.array([256, 256]), np.array([2048, 1900])
+    hkv, g, d = 2, 4, 8
+    q = rng.standard_normal((qo.sum(), hkv * g, d))
+    k = rng.standard_normal((kv.sum(), hkv, d))
+    v = rng.standard_normal((kv.sum(), hkv, d))
+    plan = plan_batch(qo, kv, num_kv_heads=hkv, group_size=g, rows_per_tile=128, num_ctas=5,
+                      kv_align=64, level_ctas=True)
+    assert plan.merge_count > 0, "the batch should be levelled"
+    got, got_lse = _emulate_kernels(plan, qo, kv, q, k, v, 0.3)
+    ref, ref_lse = _causal_attention(qo, kv, q, k, v, g, 0.3)
+    np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-10)
+
+
+MASKS = {"causal": "mask = causal",
+         "window": "const window: int = 2000\nmask = causal and q_pos - kv_pos < window",
+         "full": ""}
+
+
+@pytest.mark.parametrize("name", list(MASKS))
+def test_masked_units_levelled_by_their_visible_tiles(name):
+    """With a mask the costs and cuts follow the trimmed spans' visible tiles; every visible
+    pair stays covered once (plan_mixed's prefill list levels by itself)."""
+    v = al.parse(f"variant {name}\n{MASKS[name]}")
+    qo, kv = np.array([256, 256]), np.array([4000, 3900])  # chunked prefill: equal-ish units
+    plan = plan_mixed(qo, kv, num_kv_heads=2, group_size=4, decode=Tiling(4, 7, 32),
+                      prefill=Tiling(128, 7, 64), mask=v.mask, head_dim=64)
+    if v.mask is None:
+        visible = [np.ones((2, q * 4, k), bool) for q, k in zip(qo, kv, strict=True)]
+    else:
+        visible = [_visible(v, b, int(qo[b]), int(kv[b]), {}) for b in range(2)]
+    check_trimmed(plan, qo, kv, visible)
+    assert plan.prefill.merge_count > 0, "the batch should be levelled"
+
+
+def test_capacities_decline_levelling_rather_than_fail():
+    qo, kv = [512, 512], [8000, 8000]
+    plain = plan_batch(qo, kv, **WIDE)
+    for bounds in (PlanBounds(max_partial_rows=100), PlanBounds(max_merge_rows=100),
+                   PlanBounds(max_work_items=plain.num_work_items)):
+        assert plan_batch(qo, kv, **WIDE, level_ctas=True, bounds=bounds).same_as(plain)
+
+
+def test_what_is_not_levelled():
+    # Narrow units (decode batches in the prefill kernel: 4 fused rows each) stream KV from
+    # HBM: never cut.
+    qo, kv = [1] * 40, [4096] * 40
+    narrow = dict(WIDE, rows_per_tile=4)
+    assert 4 < LEVEL_MIN_ROWS
+    assert plan_batch(qo, kv, **narrow, level_ctas=True).same_as(plan_batch(qo, kv, **narrow))
+    # A forced chunk size is used as given.
+    qo, kv = [512, 512], [8000, 8000]
+    forced = plan_batch(qo, kv, **WIDE, kv_chunk_size=1 << 20)
+    assert plan_batch(qo, kv, **WIDE, kv_chunk_size=1 << 20, level_ctas=True).same_as(forced)
+    # Balanced already (a multiple of the CTAs): nothing to gain.
+    even = dict(WIDE, num_ctas=8)
+    assert plan_batch(qo, kv, **even, level_ctas=True).merge_count == 0
+    # Too short for the merge to pay (its launch outweighs a 3% tail of short units).
+    qo, kv = [512, 512], [512, 512]
+    assert plan_batch(qo, kv, **WIDE, level_ctas=True).merge_count == 0
+
+
+def test_level_tail_never_cuts_more_than_it_gains():
+    """Direct: the cost model's makespan of the levelled items, merge included, beats
+    longest-first by GAIN of the mean, or level_tail declines."""
+    from attnlang.runtime.planner import _longest_first
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n, m = int(rng.integers(10, 300)), int(rng.integers(2, 40))
+        span1 = rng.integers(1, 40, n) * 64
+        fixed = np.full(n, 256)
+        cost = fixed + span1
+        units = plan_balance.Units(cost=cost, fixed=fixed, partial=np.full(n, 2.0),
+                                   span0=np.zeros(n, np.int64), span1=span1,
+                                   visible=lambda u, a, b: b - a,
+                                   kv_at=lambda u, a, x: a + -(-x // 64) * 64)
+        lpt = _longest_first(cost, m)
+        out = plan_balance.level_tail(units, lpt, m, 100.0)
+        plain = np.bincount(lpt[1], weights=cost[lpt[0]], minlength=m).max()
+        if out is None:
+            continue
+        pieces = np.bincount(out.unit, minlength=n)
+        assert (pieces >= 1).all() and (pieces > 1).sum() <= m - 1
+        for x in range(n):  # each unit's pieces tile its span in KV order
+            mine = np.flatnonzero(out.unit == x)
+            assert out.kv0[mine[0]] == 0 and out.kv1[mine[-1]] == span1[x]
+            assert (out.kv0[mine[1:]] == out.kv1[mine[:-1]]).all()
+        load = np.bincount(out.cta, weights=fixed[out.unit] + out.kv1 - out.kv0, minlength=m)
+        merge = 100.0 + 2.0 * (pieces[out.unit] > 1).sum()
+        assert load.max() + merge <= plain - plan_balance.GAIN * cost.sum() / m + 1e-6
+        ranks = np.sort(out.rank)
+        assert (ranks == np.arange(out.unit.shape[0])).all()
+
+
+def test_trim_kv_at_inverts_visible_between():
+    from attnlang.runtime.planner import _units
+
+    v = al.parse(f"variant w\n{MASKS['window']}")
+
+    qo, kv = np.array([300, 50]), np.array([3000, 2000])
+    u = _units(qo, 4, 128, 2)
+    trim = plan_trim.trim(v.mask, qo, kv, u, 4, 2, 64, 64)
+    rng = np.random.default_rng(1)
+    for x in range(u.req.shape[0]):
+        a0, a1 = int(trim.span0[x]), int(trim.span1[x])
+        total = int(trim.visible_between(np.array([x]), np.array([a0]), np.array([a1]))[0])
+        for amount in rng.integers(1, max(total, 1) + 1, 5):
+            at = int(trim.kv_at(np.array([x]), np.array([a0]), np.array([amount]))[0])
+            assert at % trim.tile == 0 or at >= a1
+            got = trim.visible_between(np.array([x]), np.array([a0]), np.array([at]))[0]
+            assert got >= min(amount, total)
+            before = trim.visible_between(np.array([x]), np.array([a0]),
+                                          np.array([at - trim.tile]))[0]
+            assert at - trim.tile <= a0 or before < amount
