@@ -213,14 +213,14 @@ def plan_mixed(
                           min_kv_chunk=min_kv_chunk, kv_align=prefill.kv_align,
                           kv_chunk_size=kv_chunk_size)
     else:
-        # The prefill kernel's CTAs run at their SMs' pace: its list is levelled, within
-        # what the decode list leaves of the partial and merge rows.
-        level = PlanBounds(max_work_items=per_list.max_work_items,
-                           max_partial_rows=_left(bounds.max_partial_rows, dec.num_partial_rows),
-                           max_merge_rows=_left(bounds.max_merge_rows, dec.merge_count))
+        # The prefill kernel's CTAs run at their SMs' pace: its list is levelled (within
+        # what the decode list leaves of the partial and merge rows) and ordered for L2.
+        room = PlanBounds(max_work_items=per_list.max_work_items,
+                          max_partial_rows=_left(bounds.max_partial_rows, dec.num_partial_rows),
+                          max_merge_rows=_left(bounds.max_merge_rows, dec.merge_count))
         pre = _schedule(pre_qo, kv, rows_per_tile=prefill.rows_per_tile,
                         num_ctas=prefill.num_ctas, kv_align=prefill.kv_align, lens32=pre_lens,
-                        level_bounds=level, **common)
+                        compute_bound=room, **common)
     if dec.merge_count == 0 and pre.merge_count == 0:
         # Nothing split (no partial rows either): nothing to renumber or merge.
         return BatchPlan(decode=dec, prefill=pre, merge_count=0, merge_indptr=_ZERO_I32,

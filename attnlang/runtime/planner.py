@@ -21,9 +21,10 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
 3. Assignment (`plan_assign`). Chunks are sorted by cost (longest first; ties by creation
    order) and each goes to the CTA with the least accumulated cost (ties by CTA index).
    Everything is integer and ordered, so the same lengths always give bit-identical arrays:
-   no atomics. With `level_ctas` (the prefill kernel's list), when nothing is split the last
+   no atomics. With `compute_bound` (the prefill kernel's list), when nothing is split the last
    units are then cut where each CTA's share of them ends, if that finishes sooner, merge
-   included (`plan_balance`).
+   included (`plan_balance`), and with many (request, KV head) groups each CTA runs its
+   items group by group, so that the CTAs share K/V in L2 (`_by_group`).
 4. Partial states. Unsplit chunks write the output directly (``work_partial == -1``); split
    ones write partial (o, lse) rows, and the merge arrays list, for every (token, head) of a
    split request, its partial rows in KV order.
@@ -320,7 +321,7 @@ def plan_batch(
     mask: Any = None,
     head_dim: int | None = None,
     pairs: Any = None,
-    level_ctas: bool = False,
+    compute_bound: bool = False,
 ) -> Plan:
     """Schedule a ragged batch over `num_ctas` CTAs. Pure CPU, deterministic.
 
@@ -341,9 +342,11 @@ def plan_batch(
             costed by its non-EMPTY tiles only (`plan_trim.trim`). None: the whole [0, kv_len).
         pairs: the per-pair masks of the batch by name (`pairmask.PairBlocks`): the analysis
             classes their reads by the blocks (without them: unknown).
-        level_ctas: the kernel's CTAs each run at their own SM's pace (the prefill kernel):
+        compute_bound: the kernel's CTAs each run at their own SM's pace (the prefill kernel):
             when nothing is split, cut the last items where each CTA's share ends
-            (`plan_balance`), within `bounds`, if that finishes sooner.
+            (`plan_balance`), within `bounds`, if that finishes sooner; and with at least
+            num_ctas (request, KV head) groups, run each CTA's items group by group
+            (`_by_group`).
 
     Returns a Plan. Requests with qo_len == 0 produce no work. Example::
 
@@ -364,7 +367,8 @@ def plan_batch(
     return _schedule(qo, kv, num_kv_heads=num_kv_heads, group_size=group_size,
                      rows_per_tile=rows_per_tile, num_ctas=num_ctas, min_kv_chunk=min_kv_chunk,
                      kv_align=kv_align, kv_chunk_size=kv_chunk_size, bounds=bounds, mask=mask,
-                     head_dim=head_dim, pairs=pairs, level_bounds=bounds if level_ctas else None)
+                     head_dim=head_dim, pairs=pairs,
+                     compute_bound=bounds if compute_bound else None)
 
 
 def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
@@ -397,12 +401,13 @@ def _lengths(qo_lens, kv_lens) -> tuple[np.ndarray, np.ndarray, int]:
 
 def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_kv_chunk,
               kv_align, kv_chunk_size, bounds, mask, head_dim, pairs=None, lens32=None,
-              kv_from=None, force_split=None, level_bounds=None) -> Plan:
+              kv_from=None, force_split=None, compute_bound=None) -> Plan:
     """plan_batch after its checks (lengths from _lengths, arguments positive).
 
-    level_bounds: the capacities (a PlanBounds) the levelling step (`plan_balance`) may fill
-    when nothing else is split and the bound is automatic; None: no levelling (plan_batch's
-    level_ctas).
+    compute_bound: for a compute-bound list (plan_batch's compute_bound), the capacities (a
+    PlanBounds) the levelling step (`plan_balance`) may fill when nothing else is split and
+    the bound is automatic; None: a list of items streaming KV from HBM (no levelling, items
+    longest first in every CTA).
 
     lens32: the frozen int32 copies of (qo, kv) for the Plan, when the caller has them.
     kv_from [batch] (cascades, `plan_cascade`): request b's units cover KV positions from
@@ -458,13 +463,14 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         kv_cost = span if trim is None else trim.visible_between(None, kv0, span1)
         cost = ROW_COST * u.rows + KV_COST * kv_cost
         lpt = _longest_first(cost, num_ctas)
+        by_group = compute_bound is not None and _by_group(u, num_kv_heads, num_ctas)
         levelled = None
-        if level_bounds is not None and kv_from is None and kv_chunk_size is None:
+        if compute_bound is not None and kv_from is None and kv_chunk_size is None:
             levelled = _levelled(u, cost, lpt, kv0, span1, trim, kv_align, num_ctas,
-                                 level_bounds)
+                                 compute_bound)
         if levelled is None:
             fields_ = (u.req, u.kvh, u.row0, kv0, span1, np.full(num_units, -1, dtype=np.int64))
-            work = _work_lists(cost, fields_, num_ctas, lpt)
+            work = _work_lists(cost, fields_, num_ctas, lpt, by_group)
             return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile,
                          bound, work, _NO_MERGE, 0)
         unit_n = np.bincount(levelled.unit, minlength=num_units)
@@ -472,7 +478,8 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         return _chunked(qo, kv, lens32, u, unit_n, unit_n > 1, levelled.unit, levelled.kv0,
                         levelled.kv1, trim, (order, levelled.cta[order]), bound=bound,
                         bounds=bounds, num_ctas=num_ctas, num_kv_heads=num_kv_heads,
-                        group_size=group_size, rows_per_tile=rows_per_tile)
+                        group_size=group_size, rows_per_tile=rows_per_tile,
+                        by_group=by_group)
 
     unit_n = np.maximum(-(-span // bound), 1)  # empty span: one empty chunk, unsplit
     chunk_len = -(-span // unit_n)
@@ -491,7 +498,21 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     return _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv1,
                     trim, None, bound=bound, bounds=bounds, num_ctas=num_ctas,
                     num_kv_heads=num_kv_heads, group_size=group_size,
-                    rows_per_tile=rows_per_tile)
+                    rows_per_tile=rows_per_tile,
+                    by_group=compute_bound is not None and _by_group(u, num_kv_heads, num_ctas))
+
+
+def _by_group(u, num_kv_heads, num_ctas) -> bool:
+    """Whether a compute-bound list runs each CTA's items in creation order, (request, KV
+    head) major, rather than longest first: where the units fall in at least num_ctas
+    (request, KV head) groups. Longest first runs a round of similar items at once; with
+    that many groups they all come from different groups and share no K/V in L2 (8 prompts of
+    2048 tokens, 32 heads: 256 groups, each CTA streaming its own K/V: memory-bound). In
+    creation order the CTAs walk the groups together. With fewer groups (one long prompt) a
+    round holds several items of each group, starting together on the same tiles, which
+    creation order would scatter (causal S16384 8% slower: benchmarks/NOTES.md)."""
+    key = u.req * num_kv_heads + u.kvh  # units run (request, kv_head, tile)
+    return 1 + int(np.count_nonzero(key[1:] != key[:-1])) >= num_ctas
 
 
 def _levelled(u, cost, lpt, kv0, kv1, trim, kv_align, num_ctas, capacities):
@@ -529,11 +550,11 @@ def _levelled(u, cost, lpt, kv0, kv1, trim, kv_align, num_ctas, capacities):
 
 def _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv1, trim,
              assigned, *, bound, bounds, num_ctas, num_kv_heads, group_size,
-             rows_per_tile) -> Plan:
+             rows_per_tile, by_group=False) -> Plan:
     """The plan of units cut into items: item_* [items] in (unit, KV) order, unit_n [units]
     items per unit, unit_split [units] whether its items write partial states. assigned:
     the items' (order, cta) as `_longest_first` gives them (levelled), or None for
-    longest-first assignment."""
+    longest-first assignment; by_group: `_work_lists`'."""
     item_rows = u.rows[item_unit]
     num_items = item_unit.shape[0]
     _check_bound(bounds.max_work_items, "max_work_items", num_items, "work items")
@@ -556,7 +577,7 @@ def _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv
     cost = ROW_COST * item_rows + KV_COST * item_kv_cost
     fields_ = (u.req[item_unit], u.kvh[item_unit], u.row0[item_unit], item_kv0, item_kv1,
                item_partial)
-    work = _work_lists(cost, fields_, num_ctas, assigned)
+    work = _work_lists(cost, fields_, num_ctas, assigned, by_group)
 
     merge = _merge_rows(qo, u, unit_split, unit_n, item_first, item_partial, group_size,
                         num_kv_heads)
@@ -668,8 +689,9 @@ def _longest_first(cost: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndar
     return order, plan_assign.assign(cost[order], num_ctas)
 
 
-def _work_lists(cost, item_fields, num_ctas, assigned=None):
-    """The items grouped by CTA, in assignment order within each CTA.
+def _work_lists(cost, item_fields, num_ctas, assigned=None, by_group=False):
+    """The items grouped by CTA, in assignment order within each CTA, or with by_group in
+    creation order ((request, KV head) major: `_by_group`).
 
     item_fields: the six [items] int64 arrays of the kernel's work list (request, kv_head,
     row_start, kv_start, kv_end, partial), in creation order. assigned: `_longest_first`'s
@@ -677,7 +699,12 @@ def _work_lists(cost, item_fields, num_ctas, assigned=None):
     computed here. Returns (work_indptr, block): int32 read-only, block [6, items] holding
     the fields in work-list order (its rows are the contiguous work_* arrays)."""
     order, cta_of = _longest_first(cost, num_ctas) if assigned is None else assigned
-    items = order[np.argsort(cta_of, kind="stable")]
+    if by_group:
+        cta_item = np.empty(cost.shape[0], dtype=np.int64)
+        cta_item[order] = cta_of
+        items = np.argsort(cta_item, kind="stable")
+    else:
+        items = order[np.argsort(cta_of, kind="stable")]
     work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(np.bincount(cta_of, minlength=num_ctas), out=work_indptr[1:])
     work_indptr.setflags(write=False)

@@ -1,4 +1,4 @@
-"""The planner's levelling step (attnlang/runtime/plan_balance.py, plan_batch's level_ctas and
+"""The planner's levelling step (attnlang/runtime/plan_balance.py, plan_batch's compute_bound and
 plan_mixed's prefill list): levelled plans still cover every (row, key) exactly once and merge
 their cut rows in KV order, finish sooner than longest-first assignment by the cost model,
 cut at most num_ctas - 1 units at kernel tile boundaries, stay within the capacities, and
@@ -29,6 +29,19 @@ def _makespan(plan) -> int:
     return int(plan.cta_costs().max())
 
 
+def _items(plan, c):
+    w = range(plan.work_indptr[c], plan.work_indptr[c + 1])
+    return [tuple(int(a[i]) for a in (plan.work_request, plan.work_kv_head,
+                                      plan.work_row_start, plan.work_kv_start, plan.work_kv_end,
+                                      plan.work_partial)) for i in w]
+
+
+def _same_items(a, b) -> bool:
+    """The same items on the same CTAs (in any order within a CTA)."""
+    return (np.array_equal(a.work_indptr, b.work_indptr) and a.merge_count == b.merge_count
+            and all(sorted(_items(a, c)) == sorted(_items(b, c)) for c in range(a.num_ctas)))
+
+
 def _cut_units(plan) -> int:
     keys = {(int(b), int(h), int(r)) for b, h, r, p in zip(
         plan.work_request, plan.work_kv_head, plan.work_row_start, plan.work_partial,
@@ -40,7 +53,7 @@ def _cut_units(plan) -> int:
 def test_equal_units_are_levelled(kv):
     qo, kvs = [512, 512], [kv, kv]
     plain = plan_batch(qo, kvs, **WIDE)
-    levelled = plan_batch(qo, kvs, **WIDE, level_ctas=True)
+    levelled = plan_batch(qo, kvs, **WIDE, compute_bound=True)
     check_plan(levelled, qo, kvs)
     assert plain.merge_count == 0 and levelled.merge_count > 0
     mean = plain.cta_costs().sum() / WIDE["num_ctas"]
@@ -51,7 +64,7 @@ def test_equal_units_are_levelled(kv):
     starts = levelled.work_kv_start[levelled.work_kv_start > 0]
     ends = levelled.work_kv_end[levelled.work_kv_end < kv]
     assert (starts % 64 == 0).all() and (ends % 64 == 0).all(), "cuts off the kernel's tiles"
-    again = plan_batch(qo, kvs, **WIDE, level_ctas=True)
+    again = plan_batch(qo, kvs, **WIDE, compute_bound=True)
     assert again.same_as(levelled)
 
 
@@ -65,13 +78,13 @@ def test_random_batches_levelled_cover_exactly_once(seed):
                 rows_per_tile=128, num_ctas=int(rng.integers(2, 12)),
                 kv_align=int(rng.choice([16, 64, 128])))
     plain = plan_batch(qo, kv, **geom)
-    levelled = plan_batch(qo, kv, **geom, level_ctas=True)
+    levelled = plan_batch(qo, kv, **geom, compute_bound=True)
     check_plan(levelled, qo, kv)
     if levelled.merge_count:  # taken only where the model says it is sooner, merge and all
         assert _makespan(levelled) + MERGE_LAUNCH_COST < _makespan(plain)
         assert _cut_units(levelled) <= geom["num_ctas"] - 1
     else:
-        assert levelled.same_as(plain)
+        assert _same_items(levelled, plain)
 
 
 def test_levelled_plan_executed_as_specified_reproduces_attention():
@@ -82,7 +95,7 @@ def test_levelled_plan_executed_as_specified_reproduces_attention():
     k = rng.standard_normal((kv.sum(), hkv, d))
     v = rng.standard_normal((kv.sum(), hkv, d))
     plan = plan_batch(qo, kv, num_kv_heads=hkv, group_size=g, rows_per_tile=128, num_ctas=5,
-                      kv_align=64, level_ctas=True)
+                      kv_align=64, compute_bound=True)
     assert plan.merge_count > 0, "the batch should be levelled"
     got, got_lse = _emulate_kernels(plan, qo, kv, q, k, v, 0.3)
     ref, ref_lse = _causal_attention(qo, kv, q, k, v, g, 0.3)
@@ -116,7 +129,7 @@ def test_capacities_decline_levelling_rather_than_fail():
     plain = plan_batch(qo, kv, **WIDE)
     for bounds in (PlanBounds(max_partial_rows=100), PlanBounds(max_merge_rows=100),
                    PlanBounds(max_work_items=plain.num_work_items)):
-        assert plan_batch(qo, kv, **WIDE, level_ctas=True, bounds=bounds).same_as(plain)
+        assert _same_items(plan_batch(qo, kv, **WIDE, compute_bound=True, bounds=bounds), plain)
 
 
 def test_what_is_not_levelled():
@@ -125,17 +138,19 @@ def test_what_is_not_levelled():
     qo, kv = [1] * 40, [4096] * 40
     narrow = dict(WIDE, rows_per_tile=4)
     assert 4 < LEVEL_MIN_ROWS
-    assert plan_batch(qo, kv, **narrow, level_ctas=True).same_as(plan_batch(qo, kv, **narrow))
+    assert _same_items(plan_batch(qo, kv, **narrow, compute_bound=True),
+                       plan_batch(qo, kv, **narrow))
     # A forced chunk size is used as given.
     qo, kv = [512, 512], [8000, 8000]
     forced = plan_batch(qo, kv, **WIDE, kv_chunk_size=1 << 20)
-    assert plan_batch(qo, kv, **WIDE, kv_chunk_size=1 << 20, level_ctas=True).same_as(forced)
+    assert _same_items(plan_batch(qo, kv, **WIDE, kv_chunk_size=1 << 20, compute_bound=True),
+                       forced)
     # Balanced already (a multiple of the CTAs): nothing to gain.
     even = dict(WIDE, num_ctas=8)
-    assert plan_batch(qo, kv, **even, level_ctas=True).merge_count == 0
+    assert plan_batch(qo, kv, **even, compute_bound=True).merge_count == 0
     # Too short for the merge to pay (its launch outweighs a 3% tail of short units).
     qo, kv = [512, 512], [512, 512]
-    assert plan_batch(qo, kv, **WIDE, level_ctas=True).merge_count == 0
+    assert plan_batch(qo, kv, **WIDE, compute_bound=True).merge_count == 0
 
 
 def test_level_tail_never_cuts_more_than_it_gains():
@@ -191,3 +206,22 @@ def test_trim_kv_at_inverts_visible_between():
             before = trim.visible_between(np.array([x]), np.array([a0]),
                                           np.array([at - trim.tile]))[0]
             assert at - trim.tile <= a0 or before < amount
+
+
+def test_many_groups_run_group_by_group():
+    """With at least num_ctas (request, KV head) groups each CTA runs its items in creation
+    order, so the CTAs walk the groups together (K/V shared in L2); with fewer, longest first
+    (a round of similar items, several per group)."""
+    qo, kv = [256] * 8, [1024 + 128 * i for i in range(8)]  # 16 groups (8 x 2 KV heads)
+    for num_ctas, by_group in ((6, True), (16, True), (32, False)):  # 6: levelled too
+        geom = dict(WIDE, num_ctas=num_ctas)
+        plan = plan_batch(qo, kv, **geom, compute_bound=True)
+        check_plan(plan, qo, kv)
+        plain = plan_batch(qo, kv, **geom)
+        for c in range(num_ctas):
+            mine = _items(plan, c)
+            assert sorted(mine) == sorted(_items(plain, c)) or plan.merge_count
+            if by_group:
+                assert mine == sorted(mine), f"CTA {c} not in creation order"
+            else:
+                assert mine == _items(plain, c), f"CTA {c} not longest first"
