@@ -77,9 +77,9 @@ def level_tail(u: Units, lpt: tuple[np.ndarray, np.ndarray], num_ctas: int,
     order, cta = lpt
     loads = np.bincount(cta, weights=u.cost[order], minlength=m)
     mean = loads.sum() / m
-    target = loads.max() - GAIN * mean  # what a cut plan must beat
     if loads.max() <= mean * (1 + GAIN):
         return None
+    target = loads.max() - GAIN * mean  # the makespan a cut plan must beat
 
     head_n = max(n - (n % m + m), 0)
     head, tail = order[:head_n], order[head_n:]

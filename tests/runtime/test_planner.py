@@ -391,18 +391,24 @@ def _causal_attention(qo, kv, q, k, v, g, sm_scale):
     return out, lse
 
 
-@pytest.mark.parametrize("chunk", [None, 7, 50])
-def test_plan_executed_as_specified_reproduces_attention(chunk):
-    rng = np.random.default_rng(9)
-    qo, kv = np.array([1, 5, 0, 3, 1]), np.array([300, 40, 9, 3, 1])
-    hkv, g, d = 2, 3, 8
+def check_executed(plan, qo, kv, seed, d=8):
+    """The plan run as specified (`_emulate_kernels`, causal softmax attention) on random
+    inputs equals causal attention computed directly."""
+    rng = np.random.default_rng(seed)
+    hkv, g = plan.num_kv_heads, plan.group_size
     q = rng.standard_normal((qo.sum(), hkv * g, d))
     k = rng.standard_normal((kv.sum(), hkv, d))
     v = rng.standard_normal((kv.sum(), hkv, d))
-    plan = plan_batch(qo, kv, num_kv_heads=hkv, group_size=g, rows_per_tile=4, num_ctas=5,
-                      min_kv_chunk=16, kv_chunk_size=chunk)
-    assert (plan.merge_count > 0) == (chunk is not None or plan.kv_chunk_size < 300)
     got, got_lse = _emulate_kernels(plan, qo, kv, q, k, v, 0.3)
     ref, ref_lse = _causal_attention(qo, kv, q, k, v, g, 0.3)
     np.testing.assert_allclose(got, ref, rtol=1e-10, atol=1e-12)
     np.testing.assert_allclose(got_lse, ref_lse, rtol=1e-10)
+
+
+@pytest.mark.parametrize("chunk", [None, 7, 50])
+def test_plan_executed_as_specified_reproduces_attention(chunk):
+    qo, kv = np.array([1, 5, 0, 3, 1]), np.array([300, 40, 9, 3, 1])
+    plan = plan_batch(qo, kv, num_kv_heads=2, group_size=3, rows_per_tile=4, num_ctas=5,
+                      min_kv_chunk=16, kv_chunk_size=chunk)
+    assert (plan.merge_count > 0) == (chunk is not None or plan.kv_chunk_size < 300)
+    check_executed(plan, qo, kv, seed=9)
