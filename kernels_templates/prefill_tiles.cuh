@@ -348,12 +348,18 @@ __device__ __forceinline__ void produce_tiles(
   const int v_token_bytes = num_kv_heads * kHeadDimVO * static_cast<int>(sizeof(KvT));
   // The ring's next slots; laps * kStages (k_laps * kKStages) tiles have filled V (K) so far.
   int stage = 0, k_stage = 0, laps = 0, k_laps = 0;
-  const int first_item = work_indptr[blockIdx.x];
-  for (int item = first_item; item < work_indptr[blockIdx.x + 1]; ++item) {
+  const int first_item = work_indptr[blockIdx.x], end_item = work_indptr[blockIdx.x + 1];
+  // The next item's fields are read before the barrier that waits for this item's epilogue,
+  // so their two dependent loads land during the wait rather than after it.
+  WorkItem next{};
+  if (first_item < end_item) {
+    next = read_work_item(first_item, work_request, work_kv_head, work_row_start,
+                          work_kv_start, work_kv_end, work_partial, qo_indptr, kv_indptr,
+                          kv_last_page_len, page_size, group, cascade);
+  }
+  for (int item = first_item; item < end_item; ++item) {
+    const WorkItem w = next;
     if (item > first_item) named_sync(kItemBarrier, kThreads + kProducerThreads);
-    const WorkItem w = read_work_item(item, work_request, work_kv_head, work_row_start,
-                                      work_kv_start, work_kv_end, work_partial, qo_indptr,
-                                      kv_indptr, kv_last_page_len, page_size, group, cascade);
     const TileSpan span = item_span(w, group);
     const Index tile_ix = tile_index(w, num_heads, num_kv_heads, sm_scale, params);
     const KvT* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;
@@ -389,6 +395,11 @@ __device__ __forceinline__ void produce_tiles(
         stage = 0;
         ++laps;
       }
+    }
+    if (item + 1 < end_item) {
+      next = read_work_item(item + 1, work_request, work_kv_head, work_row_start, work_kv_start,
+                            work_kv_end, work_partial, qo_indptr, kv_indptr, kv_last_page_len,
+                            page_size, group, cascade);
     }
   }
 }
