@@ -424,6 +424,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     # 1. Units, ordered (request, kv_head, tile).
     u = _units(qo, group_size, rows_per_tile, num_kv_heads)
     num_units = u.req.shape[0]
+    by_group = compute_bound is not None and _by_group(u, num_kv_heads, num_ctas)
 
     # 1b. Each unit's KV span [span0, span1) and visible-position count (its KV cost).
     trim = None
@@ -463,7 +464,6 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         kv_cost = span if trim is None else trim.visible_between(None, kv0, span1)
         cost = ROW_COST * u.rows + KV_COST * kv_cost
         lpt = _longest_first(cost, num_ctas)
-        by_group = compute_bound is not None and _by_group(u, num_kv_heads, num_ctas)
         levelled = None
         if compute_bound is not None and kv_from is None and kv_chunk_size is None:
             levelled = _levelled(u, cost, lpt, kv0, span1, trim, kv_align, num_ctas,
@@ -498,8 +498,7 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     return _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv1,
                     trim, None, bound=bound, bounds=bounds, num_ctas=num_ctas,
                     num_kv_heads=num_kv_heads, group_size=group_size,
-                    rows_per_tile=rows_per_tile,
-                    by_group=compute_bound is not None and _by_group(u, num_kv_heads, num_ctas))
+                    rows_per_tile=rows_per_tile, by_group=by_group)
 
 
 def _by_group(u, num_kv_heads, num_ctas) -> bool:
