@@ -17,7 +17,16 @@ from attnlang.runtime.planner import (
     PlanBounds,
     plan_batch,
 )
-from tests.runtime.test_plan_trim import _visible, check_trimmed
+from tests.codegen.test_mask_tiles import VARIANTS
+from tests.runtime.test_plan_trim import (
+    GROUP,
+    HEAD_DIM,
+    MASKED,
+    NUM_KV_HEADS,
+    _params,
+    _visible,
+    check_trimmed,
+)
 from tests.runtime.test_planner import check_executed, check_plan
 
 # 16 units of 128 fused rows per (request, KV head); 2 x 2 x 16 = 64 units on 6 CTAs is
@@ -217,3 +226,29 @@ def test_many_groups_run_group_by_group():
                 assert mine == sorted(mine), f"CTA {c} not in creation order"
             else:
                 assert mine == _items(plain, c), f"CTA {c} not longest first"
+
+
+def test_levelled_masked_plans_cover_every_visible_pair():
+    """Every masked variant of the mask-analysis tests, on random chunked-prefill batches
+    whose units cost nearly the same, so that plan_mixed's prefill list is levelled where the
+    mask leaves the units long enough (windows of 128 keys leave them too short for the
+    merge to pay): each visible pair covered once, each row written once (directly or by one
+    merge in KV order)."""
+    levelled = set()
+    for name in MASKED:
+        v = VARIANTS[name]
+        for seed in range(4):
+            rng = np.random.default_rng(seed)
+            n = int(rng.integers(2, 4))
+            qo = rng.integers(2, 5, n) * 32  # 2-4 units of 128 fused rows per KV head
+            kv = qo + rng.integers(2500, 4000, n)
+            params = _params(v, rng, n)
+            visible = [_visible(v, b, int(qo[b]), int(kv[b]), params) for b in range(n)]
+            plan = plan_mixed(qo, kv, num_kv_heads=NUM_KV_HEADS, group_size=GROUP,
+                              decode=Tiling(4, 5, 32),
+                              prefill=Tiling(128, int(rng.integers(3, 6)), 64),
+                              mask=v.mask, head_dim=HEAD_DIM)
+            check_trimmed(plan, qo, kv, visible)
+            if plan.prefill.merge_count:
+                levelled.add(name)
+    assert len(levelled) >= 3 * len(MASKED) // 4, sorted(set(MASKED) - levelled)
