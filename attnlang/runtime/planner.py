@@ -345,7 +345,7 @@ def plan_batch(
         compute_bound: the kernel's CTAs each run at their own SM's pace (the prefill kernel):
             when nothing is split, cut the last items where each CTA's share ends
             (`plan_balance`), within `bounds`, if that finishes sooner; and with at least
-            num_ctas (request, KV head) groups, run each CTA's items group by group
+            num_ctas / 3 (request, KV head) groups, run each CTA's items group by group
             (`_by_group`).
 
     Returns a Plan. Requests with qo_len == 0 produce no work. Example::
@@ -503,15 +503,18 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
 
 def _by_group(u, num_kv_heads, num_ctas) -> bool:
     """Whether a compute-bound list runs each CTA's items in creation order, (request, KV
-    head) major, rather than longest first: where the units fall in at least num_ctas
-    (request, KV head) groups. Longest first runs a round of similar items at once; with
-    that many groups they all come from different groups and share no K/V in L2 (8 prompts of
-    2048 tokens, 32 heads: 256 groups, each CTA streaming its own K/V: memory-bound). In
-    creation order the CTAs walk the groups together. With fewer groups (one long prompt) a
-    round holds several items of each group, starting together on the same tiles, which
-    creation order would scatter (causal S16384 8% slower: benchmarks/NOTES.md)."""
+    head) major, rather than longest first: where its units fall in at least num_ctas / 3
+    (request, KV head) groups.
+
+    A longest-first round runs items of similar cost at once, about num_ctas / groups of each
+    group; below 3 they share little K/V in L2 (8 prompts of 2048 tokens at 32 heads: 256
+    groups, every CTA streaming K/V no other CTA reads: memory-bound). In creation order the
+    CTAs walk the groups together, about units-per-group CTAs on each group. That costs where
+    a group has many units and longest first already shares: one prompt of 16384 tokens at 32
+    heads puts 128 CTAs on one head's K/V (8% slower than longest first's 4 per head), 4096
+    tokens 2%; with 64 or more groups it measured +1% to +23% (benchmarks/NOTES.md)."""
     key = u.req * num_kv_heads + u.kvh  # units run (request, kv_head, tile)
-    return 1 + int(np.count_nonzero(key[1:] != key[:-1])) >= num_ctas
+    return 3 * (1 + int(np.count_nonzero(key[1:] != key[:-1]))) >= num_ctas
 
 
 def _levelled(u, cost, lpt, kv0, kv1, trim, kv_align, num_ctas, capacities):

@@ -210,11 +210,11 @@ def test_trim_kv_at_inverts_visible_between():
 
 
 def test_many_groups_run_group_by_group():
-    """With at least num_ctas (request, KV head) groups each CTA runs its items in creation
-    order, so the CTAs walk the groups together (K/V shared in L2); with fewer, longest first
-    (a round of similar items, several per group)."""
+    """With at least num_ctas / 3 (request, KV head) groups each CTA runs its items in
+    creation order, so the CTAs walk the groups together (K/V shared in L2); with fewer,
+    longest first (a round of similar items, several per group)."""
     qo, kv = [256] * 8, [1024 + 128 * i for i in range(8)]  # 16 groups (8 x 2 KV heads)
-    for num_ctas, by_group in ((6, True), (16, True), (32, False)):  # 6: levelled too
+    for num_ctas, by_group in ((6, True), (48, True), (64, False)):  # 6: levelled too
         geom = dict(WIDE, num_ctas=num_ctas)
         plan = plan_batch(qo, kv, **geom, compute_bound=True)
         check_plan(plan, qo, kv)
