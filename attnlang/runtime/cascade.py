@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from attnlang.runtime import plan_assign, planner
 from attnlang.runtime import plan_mixed as mixed
-from attnlang.runtime import planner
 from attnlang.runtime.plan_mixed import BatchPlan, Tiling
 from attnlang.runtime.planner import PlanBounds, PlanError
 
@@ -338,7 +338,7 @@ def _own_items_to_cascade(cascade, cascade_item, prefill_list, grouped, qo, kv, 
                         * group_size - c["work_row_start"], tiling.rows_per_tile)
     cost = planner.ROW_COST * np.concatenate((c_rows, rows)) + planner.KV_COST * span
     # The item triples travel as three more fields, so they follow the items' new order.
-    work_indptr, block = planner._work_lists(cost, [*all_fields, *items.T], tiling.num_ctas)
+    work_indptr, block = plan_assign.work_lists(cost, [*all_fields, *items.T], tiling.num_ctas)
     new_cascade = replace(cascade, work_indptr=work_indptr,
                           **{f: np.ascontiguousarray(block[i]) for i, f in enumerate(fields)})
     kept = ~move
@@ -347,8 +347,8 @@ def _own_items_to_cascade(cascade, cascade_item, prefill_list, grouped, qo, kv, 
                             - w["work_row_start"][kept], tiling.rows_per_tile)
         k_cost = (planner.ROW_COST * k_rows
                   + planner.KV_COST * (w["work_kv_end"][kept] - w["work_kv_start"][kept]))
-        k_indptr, k_block = planner._work_lists(k_cost, [w[f][kept] for f in fields],
-                                                tiling.num_ctas)
+        k_indptr, k_block = plan_assign.work_lists(k_cost, [w[f][kept] for f in fields],
+                                                   tiling.num_ctas)
     else:
         k_indptr = planner._zeros_i32(tiling.num_ctas + 1)
         k_block = np.zeros((6, 0), dtype=np.int32)

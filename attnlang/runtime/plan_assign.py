@@ -1,9 +1,11 @@
-"""The planner's assignment step: work items, sorted by cost, to CTAs (greedy LPT).
+"""The planner's assignment step: work items, sorted by cost, to CTAs (greedy LPT), and
+the order of each CTA's list.
 
 Step 3 of `attnlang.runtime.planner`: each item goes to the CTA with the least accumulated
 cost, ties by CTA index, exactly as a heap would place them; the vectorised steps here pick
 the same CTAs faster where they provably agree (tests/runtime/test_plan_fast_paths.py).
 Integer and ordered throughout, so the same costs always give the same assignment.
+`work_lists` groups the items by CTA, longest first or (`by_group`) in creation order.
 
 Example: ``assign(np.array([5, 3, 3, 1]), 2).tolist()`` -> ``[0, 1, 1, 0]``.
 """
@@ -14,7 +16,8 @@ import heapq
 
 import numpy as np
 
-__all__ = ["assign", "assign_round", "assign_heap", "assign_equal"]
+__all__ = ["assign", "assign_round", "assign_heap", "assign_equal", "longest_first", "work_lists",
+           "by_group"]
 
 
 def assign(sorted_cost: np.ndarray, num_ctas: int) -> np.ndarray:
@@ -128,3 +131,57 @@ def assign_equal(loads: np.ndarray, c: int, k: int) -> np.ndarray | None:
     picks = cta[np.lexsort((cta, value))[:k]]
     loads += c * np.bincount(picks, minlength=m)
     return picks
+
+
+def longest_first(cost: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
+    """Longest item first to the least-loaded CTA: (order, cta), the items in assignment
+    order (cost descending, ties by creation order) and the CTA each of them takes."""
+    n = cost.shape[0]
+    if n and int(cost.min()) == int(cost.max()) > 0:
+        # All equal (uniform decode batches): creation order, round robin from CTA 0 (what
+        # the sort and assign give), so CTA c runs items c, c + m, c + 2m, ...
+        order = np.arange(n, dtype=np.int64)
+        return order, order % num_ctas
+    order = np.argsort(-cost, kind="stable")
+    return order, assign(cost[order], num_ctas)
+
+
+def work_lists(cost, item_fields, num_ctas, assigned=None, by_group=False):
+    """The items grouped by CTA, in assignment order within each CTA, or with by_group in
+    creation order ((request, KV head) major: `by_group`).
+
+    item_fields: the six [items] int64 arrays of the kernel's work list (request, kv_head,
+    row_start, kv_start, kv_end, partial), in creation order. assigned: `longest_first`'s
+    (order, cta) where the caller has it (or another assignment in that form); None:
+    computed here. Returns (work_indptr, block): int32 read-only, block [6, items] holding
+    the fields in work-list order (its rows are the contiguous work_* arrays)."""
+    order, cta_of = longest_first(cost, num_ctas) if assigned is None else assigned
+    if by_group:
+        cta_item = np.empty(cost.shape[0], dtype=np.int64)
+        cta_item[order] = cta_of
+        items = np.argsort(cta_item, kind="stable")
+    else:
+        items = order[np.argsort(cta_of, kind="stable")]
+    work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
+    np.cumsum(np.bincount(cta_of, minlength=num_ctas), out=work_indptr[1:])
+    work_indptr.setflags(write=False)
+    # One int32 conversion and one gather for all six arrays (np.take keeps rows contiguous).
+    block = np.take(np.array(item_fields, dtype=np.int32), items, axis=1)
+    block.setflags(write=False)
+    return work_indptr, block
+
+
+def by_group(group_of_unit: np.ndarray, num_ctas: int) -> bool:
+    """Whether a compute-bound list runs each CTA's items in creation order, (request, KV
+    head) major, rather than longest first: where its units fall in at least num_ctas / 3
+    (request, KV head) groups. group_of_unit [units]: each unit's group, in unit order.
+
+    A longest-first round runs items of similar cost at once, about num_ctas / groups of each
+    group; below 3 they share little K/V in L2 (8 prompts of 2048 tokens at 32 heads: 256
+    groups, every CTA streaming K/V no other CTA reads: memory-bound). In creation order the
+    CTAs walk the groups together, about units-per-group CTAs on each group. That costs where
+    a group has many units and longest first already shares: one prompt of 16384 tokens at 32
+    heads puts 128 CTAs on one head's K/V (8% slower than longest first's 4 per head), 4096
+    tokens 2%; with 64 or more groups it measured +1% to +23% (benchmarks/NOTES.md)."""
+    key = group_of_unit  # units run (request, kv_head, tile): a group's are consecutive
+    return 3 * (1 + int(np.count_nonzero(key[1:] != key[:-1]))) >= num_ctas

@@ -69,7 +69,7 @@ def level_tail(u: Units, lpt: tuple[np.ndarray, np.ndarray], num_ctas: int,
     """The units' items, the last ones cut to level the CTAs; None where longest-first
     assignment of whole units is within GAIN of the mean or cutting gains less than GAIN.
 
-    lpt: the units' longest-first assignment, (order, cta) as `planner._longest_first` gives
+    lpt: the units' longest-first assignment, (order, cta) as `plan_assign.longest_first` gives
     it; merge_launch: what running the merge kernel at all costs. Pure and deterministic."""
     n, m = u.cost.shape[0], num_ctas
     if n <= m:

@@ -24,7 +24,7 @@ attnlang's kernel contract (docs/INTERNALS.md, "Kernel kinds and arguments"):
    no atomics. With `compute_bound` (the prefill kernel's list), when nothing is split the last
    units are then cut where each CTA's share of them ends, if that finishes sooner, merge
    included (`plan_balance`), and with many (request, KV head) groups each CTA runs its
-   items group by group, so that the CTAs share K/V in L2 (`_by_group`).
+   items group by group, so that the CTAs share K/V in L2 (`plan_assign.by_group`).
 4. Partial states. Unsplit chunks write the output directly (``work_partial == -1``); split
    ones write partial (o, lse) rows, and the merge arrays list, for every (token, head) of a
    split request, its partial rows in KV order.
@@ -346,7 +346,7 @@ def plan_batch(
             when nothing is split, cut the last items where each CTA's share ends
             (`plan_balance`), within `bounds`, if that finishes sooner; and with at least
             num_ctas / 3 (request, KV head) groups, run each CTA's items group by group
-            (`_by_group`).
+            (`plan_assign.by_group`).
 
     Returns a Plan. Requests with qo_len == 0 produce no work. Example::
 
@@ -424,7 +424,8 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     # 1. Units, ordered (request, kv_head, tile).
     u = _units(qo, group_size, rows_per_tile, num_kv_heads)
     num_units = u.req.shape[0]
-    by_group = compute_bound is not None and _by_group(u, num_kv_heads, num_ctas)
+    by_group = compute_bound is not None and plan_assign.by_group(
+        u.req * num_kv_heads + u.kvh, num_ctas)
 
     # 1b. Each unit's KV span [span0, span1) and visible-position count (its KV cost).
     trim = None
@@ -463,14 +464,14 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         kv0 = np.zeros(num_units, dtype=np.int64) if span0 is None else span0
         kv_cost = span if trim is None else trim.visible_between(None, kv0, span1)
         cost = ROW_COST * u.rows + KV_COST * kv_cost
-        lpt = _longest_first(cost, num_ctas)
+        lpt = plan_assign.longest_first(cost, num_ctas)
         levelled = None
         if compute_bound is not None and kv_from is None and kv_chunk_size is None:
             levelled = _levelled(u, cost, lpt, kv0, span1, trim, kv_align, num_ctas,
                                  compute_bound)
         if levelled is None:
             fields_ = (u.req, u.kvh, u.row0, kv0, span1, np.full(num_units, -1, dtype=np.int64))
-            work = _work_lists(cost, fields_, num_ctas, lpt, by_group)
+            work = plan_assign.work_lists(cost, fields_, num_ctas, lpt, by_group)
             return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile,
                          bound, work, _NO_MERGE, 0)
         unit_n = np.bincount(levelled.unit, minlength=num_units)
@@ -499,22 +500,6 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
                     trim, None, bound=bound, bounds=bounds, num_ctas=num_ctas,
                     num_kv_heads=num_kv_heads, group_size=group_size,
                     rows_per_tile=rows_per_tile, by_group=by_group)
-
-
-def _by_group(u, num_kv_heads, num_ctas) -> bool:
-    """Whether a compute-bound list runs each CTA's items in creation order, (request, KV
-    head) major, rather than longest first: where its units fall in at least num_ctas / 3
-    (request, KV head) groups.
-
-    A longest-first round runs items of similar cost at once, about num_ctas / groups of each
-    group; below 3 they share little K/V in L2 (8 prompts of 2048 tokens at 32 heads: 256
-    groups, every CTA streaming K/V no other CTA reads: memory-bound). In creation order the
-    CTAs walk the groups together, about units-per-group CTAs on each group. That costs where
-    a group has many units and longest first already shares: one prompt of 16384 tokens at 32
-    heads puts 128 CTAs on one head's K/V (8% slower than longest first's 4 per head), 4096
-    tokens 2%; with 64 or more groups it measured +1% to +23% (benchmarks/NOTES.md)."""
-    key = u.req * num_kv_heads + u.kvh  # units run (request, kv_head, tile)
-    return 3 * (1 + int(np.count_nonzero(key[1:] != key[:-1]))) >= num_ctas
 
 
 def _levelled(u, cost, lpt, kv0, kv1, trim, kv_align, num_ctas, capacities):
@@ -555,8 +540,8 @@ def _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv
              rows_per_tile, by_group=False) -> Plan:
     """The plan of units cut into items: item_* [items] in (unit, KV) order, unit_n [units]
     items per unit, unit_split [units] whether its items write partial states. assigned:
-    the items' (order, cta) as `_longest_first` gives them (levelled), or None for
-    longest-first assignment; by_group: `_work_lists`'."""
+    the items' (order, cta) as `plan_assign.longest_first` gives them (levelled), or None
+    for longest-first assignment; by_group: `plan_assign.work_lists`'."""
     item_rows = u.rows[item_unit]
     num_items = item_unit.shape[0]
     _check_bound(bounds.max_work_items, "max_work_items", num_items, "work items")
@@ -579,7 +564,7 @@ def _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv
     cost = ROW_COST * item_rows + KV_COST * item_kv_cost
     fields_ = (u.req[item_unit], u.kvh[item_unit], u.row0[item_unit], item_kv0, item_kv1,
                item_partial)
-    work = _work_lists(cost, fields_, num_ctas, assigned, by_group)
+    work = plan_assign.work_lists(cost, fields_, num_ctas, assigned, by_group)
 
     merge = _merge_rows(qo, u, unit_split, unit_n, item_first, item_partial, group_size,
                         num_kv_heads)
@@ -676,44 +661,6 @@ def _frozen_units(group_size, **arrays) -> _Units:
     for a in arrays.values():  # shared by later calls (memoized): never written
         a.setflags(write=False)
     return _Units(group_size=group_size, **arrays)
-
-
-def _longest_first(cost: np.ndarray, num_ctas: int) -> tuple[np.ndarray, np.ndarray]:
-    """Longest item first to the least-loaded CTA: (order, cta), the items in assignment
-    order (cost descending, ties by creation order) and the CTA each of them takes."""
-    n = cost.shape[0]
-    if n and int(cost.min()) == int(cost.max()) > 0:
-        # All equal (uniform decode batches): creation order, round robin from CTA 0 (what
-        # the sort and plan_assign.assign give), so CTA c runs items c, c + m, c + 2m, ...
-        order = np.arange(n, dtype=np.int64)
-        return order, order % num_ctas
-    order = np.argsort(-cost, kind="stable")
-    return order, plan_assign.assign(cost[order], num_ctas)
-
-
-def _work_lists(cost, item_fields, num_ctas, assigned=None, by_group=False):
-    """The items grouped by CTA, in assignment order within each CTA, or with by_group in
-    creation order ((request, KV head) major: `_by_group`).
-
-    item_fields: the six [items] int64 arrays of the kernel's work list (request, kv_head,
-    row_start, kv_start, kv_end, partial), in creation order. assigned: `_longest_first`'s
-    (order, cta) where the caller has it (or another assignment in that form); None:
-    computed here. Returns (work_indptr, block): int32 read-only, block [6, items] holding
-    the fields in work-list order (its rows are the contiguous work_* arrays)."""
-    order, cta_of = _longest_first(cost, num_ctas) if assigned is None else assigned
-    if by_group:
-        cta_item = np.empty(cost.shape[0], dtype=np.int64)
-        cta_item[order] = cta_of
-        items = np.argsort(cta_item, kind="stable")
-    else:
-        items = order[np.argsort(cta_of, kind="stable")]
-    work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
-    np.cumsum(np.bincount(cta_of, minlength=num_ctas), out=work_indptr[1:])
-    work_indptr.setflags(write=False)
-    # One int32 conversion and one gather for all six arrays (np.take keeps rows contiguous).
-    block = np.take(np.array(item_fields, dtype=np.int32), items, axis=1)
-    block.setflags(write=False)
-    return work_indptr, block
 
 
 def _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound, work,

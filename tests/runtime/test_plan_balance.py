@@ -157,7 +157,7 @@ def test_what_is_not_levelled():
 def test_level_tail_never_cuts_more_than_it_gains():
     """Direct: the cost model's makespan of the levelled items, merge included, beats
     longest-first by GAIN of the mean, or level_tail declines."""
-    from attnlang.runtime.planner import _longest_first
+    from attnlang.runtime.plan_assign import longest_first
 
     rng = np.random.default_rng(0)
     for _ in range(30):
@@ -169,7 +169,7 @@ def test_level_tail_never_cuts_more_than_it_gains():
                                    span0=np.zeros(n, np.int64), span1=span1,
                                    visible=lambda u, a, b: b - a,
                                    kv_at=lambda u, a, x: a + -(-x // 64) * 64)
-        lpt = _longest_first(cost, m)
+        lpt = longest_first(cost, m)
         out = plan_balance.level_tail(units, lpt, m, 100.0)
         plain = np.bincount(lpt[1], weights=cost[lpt[0]], minlength=m).max()
         if out is None:
