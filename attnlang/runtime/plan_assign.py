@@ -155,13 +155,16 @@ def work_lists(cost, item_fields, num_ctas, assigned=None, by_group=False):
     (order, cta) where the caller has it (or another assignment in that form); None:
     computed here. Returns (work_indptr, block): int32 read-only, block [6, items] holding
     the fields in work-list order (its rows are the contiguous work_* arrays)."""
-    order, cta_of = longest_first(cost, num_ctas) if assigned is None else assigned
-    if by_group:
-        cta_item = np.empty(cost.shape[0], dtype=np.int64)
-        cta_item[order] = cta_of
-        items = np.argsort(cta_item, kind="stable")
+    n = cost.shape[0]
+    if assigned is None and n and int(cost.min()) == int(cost.max()) > 0:
+        # All equal (uniform decode batches): round robin in creation order, as longest_first
+        # gives it, so CTA c runs items c, c + m, c + 2m, ... in either order, no sort needed.
+        cta_of = np.arange(n, dtype=np.int64) % num_ctas
+        grid = np.arange(-(-n // num_ctas) * num_ctas).reshape(-1, num_ctas).T.ravel()
+        items = grid[grid < n]
     else:
-        items = order[np.argsort(cta_of, kind="stable")]
+        order, cta_of = longest_first(cost, num_ctas) if assigned is None else assigned
+        items = _grouped(order, cta_of, by_group)
     work_indptr = np.zeros(num_ctas + 1, dtype=np.int32)
     np.cumsum(np.bincount(cta_of, minlength=num_ctas), out=work_indptr[1:])
     work_indptr.setflags(write=False)
@@ -171,10 +174,20 @@ def work_lists(cost, item_fields, num_ctas, assigned=None, by_group=False):
     return work_indptr, block
 
 
-def by_group(group_of_unit: np.ndarray, num_ctas: int) -> bool:
+def _grouped(order: np.ndarray, cta_of: np.ndarray, by_group: bool) -> np.ndarray:
+    """The items grouped by CTA (order, cta_of: an assignment as longest_first gives it),
+    each CTA's in assignment order, or with by_group in creation order."""
+    if not by_group:
+        return order[np.argsort(cta_of, kind="stable")]
+    cta_item = np.empty(order.shape[0], dtype=np.int64)
+    cta_item[order] = cta_of
+    return np.argsort(cta_item, kind="stable")
+
+
+def by_group(num_groups: int, num_ctas: int) -> bool:
     """Whether a compute-bound list runs each CTA's items in creation order, (request, KV
     head) major, rather than longest first: where its units fall in at least num_ctas / 3
-    (request, KV head) groups. group_of_unit [units]: each unit's group, in unit order.
+    (request, KV head) groups.
 
     A longest-first round runs items of similar cost at once, about num_ctas / groups of each
     group; below 3 they share little K/V in L2 (8 prompts of 2048 tokens at 32 heads: 256
@@ -183,5 +196,4 @@ def by_group(group_of_unit: np.ndarray, num_ctas: int) -> bool:
     a group has many units and longest first already shares: one prompt of 16384 tokens at 32
     heads puts 128 CTAs on one head's K/V (8% slower than longest first's 4 per head), 4096
     tokens 2%; with 64 or more groups it measured +1% to +23% (benchmarks/NOTES.md)."""
-    key = group_of_unit  # units run (request, kv_head, tile): a group's are consecutive
-    return 3 * (1 + int(np.count_nonzero(key[1:] != key[:-1]))) >= num_ctas
+    return 3 * num_groups >= num_ctas

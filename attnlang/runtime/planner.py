@@ -424,8 +424,10 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
     # 1. Units, ordered (request, kv_head, tile).
     u = _units(qo, group_size, rows_per_tile, num_kv_heads)
     num_units = u.req.shape[0]
+    # Every request with queries has units on every KV head: that many (request, KV head)
+    # groups.
     by_group = compute_bound is not None and plan_assign.by_group(
-        u.req * num_kv_heads + u.kvh, num_ctas)
+        num_kv_heads * int(np.count_nonzero(qo)), num_ctas)
 
     # 1b. Each unit's KV span [span0, span1) and visible-position count (its KV cost).
     trim = None
@@ -464,9 +466,10 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
         kv0 = np.zeros(num_units, dtype=np.int64) if span0 is None else span0
         kv_cost = span if trim is None else trim.visible_between(None, kv0, span1)
         cost = ROW_COST * u.rows + KV_COST * kv_cost
-        lpt = plan_assign.longest_first(cost, num_ctas)
-        levelled = None
-        if compute_bound is not None and kv_from is None and kv_chunk_size is None:
+        lpt = levelled = None
+        if (compute_bound is not None and kv_from is None and kv_chunk_size is None
+                and group_size * num_kv_heads * int(qo.sum()) >= LEVEL_MIN_ROWS * num_units):
+            lpt = plan_assign.longest_first(cost, num_ctas)
             levelled = _levelled(u, cost, lpt, kv0, span1, trim, kv_align, num_ctas,
                                  compute_bound)
         if levelled is None:
@@ -503,11 +506,8 @@ def _schedule(qo, kv, *, num_kv_heads, group_size, rows_per_tile, num_ctas, min_
 
 
 def _levelled(u, cost, lpt, kv0, kv1, trim, kv_align, num_ctas, capacities):
-    """`plan_balance.level_tail` of the units, or None where their rows are too few (mean
-    below LEVEL_MIN_ROWS), it declines, or its pieces would not fit the capacities (a
-    PlanBounds)."""
-    if u.rows.mean() < LEVEL_MIN_ROWS:
-        return None
+    """`plan_balance.level_tail` of the units (their rows LEVEL_MIN_ROWS or more on average),
+    or None where it declines or its pieces would not fit the capacities (a PlanBounds)."""
 
     def visible(units, a, b):
         return KV_COST * (b - a if trim is None else trim.visible_between(units, a, b))
