@@ -1235,41 +1235,6 @@ struct UniformWindow {
   }
 };
 
-// The first of a work item's `tiles` tiles from which on every tile's terms vary (the last
-// one's included), as far as one window over its last 32 tiles sees; `tiles` where the last
-// tile's terms are one value, or where the run reaches back past the window (its start
-// unseen), or without tile-uniform terms (every tile varies: the tile loop's fills, from its
-// first tile on, follow the barrier that publishes Q anyway). An item of 32 tiles or fewer is
-// seen whole by `window`, the tile loop's, which then evaluates none of them again. Called by
-// the whole warp.
-template <int kTileKeys>
-__device__ __forceinline__ int varying_tail(UniformWindow<kTileKeys>& window, const int tiles,
-                                            const int lane, const int kv_start,
-                                            const int kv_end, const int q_lo, const int q_hi,
-                                            const variant::Params& params, const Index& tile_ix) {
-  if constexpr (variant::kUniformTerms == 0) {
-    return tiles;
-  } else {
-    if (tiles <= 0) return tiles;  // no keys (uniform over the warp)
-    const int base = imax(tiles - 32, 0);
-    variant::Uniform values;
-    unsigned bits;
-    if (base == 0) {
-      window.get(0, lane, kv_start, kv_end, q_lo, q_hi, params, tile_ix, values);
-      bits = window.uniform_bits;
-    } else {
-      UniformWindow<kTileKeys> probe;
-      probe.get(base, lane, kv_start, kv_end, q_lo, q_hi, params, tile_ix, values);
-      bits = probe.uniform_bits;
-    }
-    const int seen = tiles - base;  // 1 .. 32
-    const unsigned uniform = bits & (seen == 32 ? ~0u : (1u << seen) - 1u);
-    if ((uniform >> (seen - 1)) & 1u) return tiles;   // the last tile's terms are one value
-    if (uniform == 0u) return base == 0 ? 0 : tiles;  // all seen vary
-    return base + 32 - __clz(uniform);                // past the last uniform tile
-  }
-}
-
 }  // namespace attnlang
 
 
