@@ -70,6 +70,16 @@ struct TileTerms {
   // kUniformTerms: the lane's rows' parts of the logits (variant::uniform_rows), when the
   // caller evaluated them ahead; nullptr: evaluated in place.
   const variant::UniformRows* rows = nullptr;
+
+  // Does a tile with a distance term need it per score: neither tile-uniform nor in the
+  // table (its distances did not fit: a cascade item's rows, a large GQA group)? On the
+  // wgmma path such tiles take one instantiation of their own, every score masked per
+  // element: the term per score (T5's log) in every tile kind had made the kernel 1.6x as
+  // large and spilled, 3-4% of T5's time (benchmarks/NOTES.md). (On the mma.sync path
+  // ptxas spilled more with that instance apart: each tile kind keeps its own.)
+  __device__ __forceinline__ bool per_score() const {
+    return kWgmma && variant::kDistanceTerm && !uniform && dist == nullptr;
+  }
 };
 
 // Scores of one tile for this lane's elements: s_frag[b][j][c] is (row 16 b + lane_row +
@@ -135,8 +145,8 @@ __device__ __forceinline__ void transform_scores_as(float (&s_frag)[kRowBlocks][
 }
 
 // transform_scores_as with the tile-uniform logits where terms.uniform (a branch uniform over
-// the rows deciding together), else with the distance table where the tile has one, else
-// per score.
+// the rows deciding together), else with the distance table where the tile has one (on the
+// wgmma path every tile that reaches here does: TileTerms::per_score), else per score.
 template <int kMask, int kBlocks>
 __device__ __forceinline__ void transform_scores(float (&s_frag)[kRowBlocks][kKeyTiles][4],
                                                  const int tile_start, const int kv_end,
@@ -148,7 +158,7 @@ __device__ __forceinline__ void transform_scores(float (&s_frag)[kRowBlocks][kKe
   if (variant::kUniformTerms > 0 && terms.uniform) {
     transform_scores_as<kMask, kBlocks, kUniformTerms>(s_frag, tile_start, kv_end, lane_col,
                                                        sm_scale, params, row_ix, terms, columns);
-  } else if (variant::kDistanceTerm && terms.dist != nullptr) {
+  } else if (variant::kDistanceTerm && (kWgmma || terms.dist != nullptr)) {
     transform_scores_as<kMask, kBlocks, kTableTerms>(s_frag, tile_start, kv_end, lane_col,
                                                      sm_scale, params, row_ix, terms, columns);
   } else {

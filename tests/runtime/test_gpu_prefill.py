@@ -377,18 +377,27 @@ def test_value_head_dim_through_the_c_path(cp):
 
 # T5's bias and Sandwich's cosines are tabulated (attnlang.codegen.distance_terms,
 # kernels_templates/distance_table.cuh) where a tile is not tile-uniform: per head for T5, so
-# at 8 query heads per KV head its table (8 x 168 entries) does not fit the 736 floats of the
-# mma.sync path and those tiles compute the term per score; at 2 it does (the d128 wgmma
-# path's 8,928 floats hold both). Long prompts beside a decode step and a split request:
-# every kind of tile.
-@pytest.mark.parametrize("variant_id, group", [("t5_bias", 2), ("t5_bias", 8),
-                                               ("sandwich", 8)])
-def test_distance_tables(cp, error_log, variant_id, group):
+# at 8 query heads per KV head its table does not fit the 736 floats of the mma.sync path and
+# of the wgmma path at head dims 64 and 256 (8 x 80 distances), nor at 128 query heads per KV
+# head the d128 wgmma path's 8,928 (128 x 129): those tiles compute the term per score (on
+# the wgmma path in an instance of their own, TileTerms::per_score); at 2 it fits everywhere.
+# Long prompts beside a decode step and a split request: every kind of tile.
+@pytest.mark.parametrize("variant_id, group, head_dim", [
+    ("t5_bias", 2, 128), ("t5_bias", 8, 128), ("sandwich", 8, 128), ("t5_bias", 8, 64),
+    ("t5_bias", 8, 256), ("t5_bias", 2, 256)])
+def test_distance_tables(cp, error_log, variant_id, group, head_dim):
     run_and_check(cp, attnlang.load(VARIANT_PATHS[variant_id]), [700, 1, 300], [900, 500, 300],
-                  num_qo_heads=2 * group, num_kv_heads=2, head_dim=128, dtype="bfloat16",
-                  page_size=16, seed=zlib.crc32(f"{variant_id}{group}".encode()),
-                  error_log=error_log, where=f"distance table {variant_id} g{group}",
+                  num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim, dtype="bfloat16",
+                  page_size=16, seed=zlib.crc32(f"{variant_id}{group}{head_dim}".encode()),
+                  error_log=error_log, where=f"distance table {variant_id} g{group} d{head_dim}",
                   kv_chunk_size=256)
+
+
+def test_distance_table_too_small_for_the_group(cp, error_log):
+    run_and_check(cp, attnlang.load(VARIANT_PATHS["t5_bias"]), [300, 1, 40], [400, 200, 40],
+                  num_qo_heads=128, num_kv_heads=1, head_dim=128, dtype="bfloat16",
+                  page_size=16, seed=zlib.crc32(b"t5 g128"), error_log=error_log,
+                  where="distance table t5_bias g128", kv_chunk_size=128)
 
 
 # The table holds a run of tiles: T5's band (the last 2-3 tiles of a work item) fills it once,
