@@ -31,6 +31,9 @@ constexpr unsigned kItemBarrier = 2;
 // (load_rows_fp8), kRawLanes lanes to a row; the computing threads make them T
 // (dequantize_rows).
 constexpr bool kFp8Rows = kKvFp8 && kProducer;
+// (kFp8Rows) A tile's values converted under its S matmul rather than before its barrier
+// (DeferredValues), where no key or value hook must see the whole converted tile first.
+constexpr bool kDeferValues = kFp8Rows && !variant::kHasKey && !variant::kHasValue;
 constexpr int kRawLanes = kHeadDim / 16;
 constexpr bool kFoldScales = kKvFp8 && !variant::kHasKey && !variant::kHasValue &&
                              !variant::kDistanceTerm && variant::kUniformTerms == 0;

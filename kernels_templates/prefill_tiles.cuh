@@ -296,10 +296,13 @@ __device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsi
 // (kFp8Rows) The raw rows of a tile (load_rows_fp8) as T, by kConverters computing threads,
 // kRawLanes to a row (one warp's lanes): each reads its piece, the row's lanes meet
 // (__syncwarp: the T chunks overwrite the raw bytes of other pieces), then writes the piece's
-// two chunks where the wgmma layout wants them; times the scales unless kFoldScales.
-template <int kConverters>
+// two chunks where the wgmma layout wants them; times the scales unless kFoldScales. kParts:
+// the tile's keys (kConvertKeys), values (kConvertValues) or both.
+constexpr int kConvertKeys = 1, kConvertValues = 2;
+template <int kConverters, int kParts = kConvertKeys | kConvertValues>
 __device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const int tid,
                                                 const float2 scale) {
+  constexpr bool kKeys = (kParts & kConvertKeys) != 0, kValues = (kParts & kConvertValues) != 0;
   constexpr int kRowsPerPass = kConverters / kRawLanes;
   const int piece = tid % kRawLanes;
   const int raw0 = (piece >> 3) * (kTileKeys * 64) + 8 * (piece & 7);  // elements of T
@@ -307,17 +310,42 @@ __device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const in
 #pragma unroll
   for (int pass = 0; pass < kTileKeys / kRowsPerPass; ++pass) {
     const int key = tid / kRawLanes + pass * kRowsPerPass;
-    const uint4 k_raw = *reinterpret_cast<const uint4*>(k_stage + raw0 + key * 64);
-    const uint4 v_raw = *reinterpret_cast<const uint4*>(v_stage + raw0 + key * 64);
+    uint4 k_raw, v_raw;
+    if constexpr (kKeys) k_raw = *reinterpret_cast<const uint4*>(k_stage + raw0 + key * 64);
+    if constexpr (kValues) v_raw = *reinterpret_cast<const uint4*>(v_stage + raw0 + key * 64);
     __syncwarp();
-    store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece), k_raw.x, k_raw.y, k_factor);
-    store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece + 1), k_raw.z, k_raw.w, k_factor);
-    store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece), v_raw.x, v_raw.y,
-                 v_factor);
-    store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece + 1), v_raw.z, v_raw.w,
-                 v_factor);
+    if constexpr (kKeys) {
+      store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece), k_raw.x, k_raw.y, k_factor);
+      store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece + 1), k_raw.z, k_raw.w, k_factor);
+    }
+    if constexpr (kValues) {
+      store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece), v_raw.x, v_raw.y,
+                   v_factor);
+      store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece + 1), v_raw.z,
+                   v_raw.w, v_factor);
+    }
   }
 }
+
+// (kDeferValues) A tile's values, still e4m3 in their stage, converted by the computing
+// threads while the tile's S = Q K^T (and the pending P V) run on the tensor cores: only its
+// keys are converted before the barrier S waits for. The tile's P V reads them a tile later,
+// after the next tile's barrier has published them (the item's last, after the tile loop).
+// Called by every computing thread, on every path through the tile (a warpgroup that skips
+// the tile still converts its share). Not with split keys (decode steps): a 4-row step's S
+// is too short to hide anything, and deferring cost them 3% (benchmarks/NOTES.md).
+struct DeferredValues {
+  T* v_stage;
+  int tid;
+  bool split;
+  float2 scale;
+
+  __device__ __forceinline__ void operator()() const {
+    if constexpr (kDeferValues) {
+      if (!split) dequantize_rows<kThreads, kConvertValues>(nullptr, v_stage, tid, scale);
+    }
+  }
+};
 
 // The producer warpgroup (kProducer; `ptid` its thread, 0 .. kProducerThreads - 1): walks the
 // CTA's work items and their visible tiles in the order the computing warps do and copies

@@ -45,7 +45,8 @@ __device__ __forceinline__ void flush_pv(WarpState& st, PendingPv& pv) {
 // when accumulators are read on a path it cannot prove waited. kMask and columns as in
 // transform_scores.
 // q_tile: shared address of the warpgroup's first Q row in column block 0; k_stage /
-// v_stage: the tile's stages. K-step kk of S reads 32 bytes along the 128-byte rows of
+// v_stage: the tile's stages. convert_values: (kDeferValues) the tile's values, converted
+// while its matmuls run. K-step kk of S reads 32 bytes along the 128-byte rows of
 // column block kk / 4 of Q and K (K-major, 8-row groups 1024 bytes apart).
 template <int kMask, bool kOverlap, int kTerms = -1>
 __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const unsigned q_tile,
@@ -54,7 +55,8 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
                                            const float sm_scale, const float score_scale,
                                            const variant::Params& params,
                                            const Index (&row_ix)[kFragRows],
-                                           const unsigned columns, const TileTerms& terms) {
+                                           const unsigned columns, const TileTerms& terms,
+                                           const DeferredValues& convert_values) {
   // Tile-uniform tiles: the rows' parts of the logits (a table read each for T5) before the
   // matmul, whose time hides their latency (after it, it was exposed: benchmarks/NOTES.md).
   // A tile-uniform unmasked tile whose logits are the score plus a row's offset (T5's bias)
@@ -82,8 +84,9 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
              kk > 0);  // the first k-step writes S (its old contents are never read)
   }
   wgmma_commit();
+  if constexpr (kOverlap) issue_pv(st, pv);
+  convert_values();
   if constexpr (kOverlap) {
-    issue_pv(st, pv);
     wgmma_wait<1>();  // S has landed (groups complete in order); P V may still run
   } else {
     wgmma_wait<0>();
