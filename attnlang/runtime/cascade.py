@@ -39,6 +39,7 @@ import numpy as np
 from attnlang.runtime import plan_assign, planner
 from attnlang.runtime import plan_mixed as mixed
 from attnlang.runtime.plan_mixed import BatchPlan, Tiling
+from attnlang.runtime.plan_units import frozen, zeros_i32
 from attnlang.runtime.planner import PlanBounds, PlanError
 
 __all__ = ["CASCADE_MIN_KV", "CascadeGroups", "adjacent_shared", "find_groups",
@@ -248,7 +249,7 @@ def plan_cascade(qo_lens, kv_lens, groups: CascadeGroups, *, num_kv_heads: int,
         rows_per_tile=prefill.rows_per_tile, num_ctas=prefill.num_ctas,
         min_kv_chunk=min_kv_chunk, kv_align=prefill.kv_align, kv_chunk_size=kv_chunk_size,
         bounds=mixed._list_bounds(bounds.max_work_items), mask=None, head_dim=head_dim,
-        lens32=(planner._frozen(group_qo), planner._frozen(groups.kv_to)),
+        lens32=(frozen(group_qo), frozen(groups.kv_to)),
         kv_from=groups.kv_from, force_split=np.ones(groups.count, dtype=bool))
 
     # Tokens: their request and q_pos (bottom-right: the queries end their sequence).
@@ -263,7 +264,7 @@ def plan_cascade(qo_lens, kv_lens, groups: CascadeGroups, *, num_kv_heads: int,
     t1 = group_q0[g] + (row0 + rows - 1) // group_size + 1
     q_lo, q_hi = _range_min_max(q_pos, t0, t1)
     cascade_item = np.stack((qo_start[groups.end][g], q_lo, q_hi), axis=1).ravel()
-    cascade = replace(shared, work_request=planner._frozen(groups.first[g]))
+    cascade = replace(shared, work_request=frozen(groups.first[g]))
     prefill_list = rest.prefill
     if own_in_cascade and rest.prefill.num_work_items:
         cascade, prefill_list, cascade_item = _own_items_to_cascade(
@@ -277,7 +278,7 @@ def plan_cascade(qo_lens, kv_lens, groups: CascadeGroups, *, num_kv_heads: int,
                          "partial rows (split-KV and cascade states)")
     lists = {}
     for name, sub in (("decode", rest.decode), ("prefill", prefill_list)):
-        lists[name] = replace(sub, work_partial=planner._frozen(np.where(
+        lists[name] = replace(sub, work_partial=frozen(np.where(
             sub.work_partial >= 0, sub.work_partial.astype(np.int64) + n_shared, -1)))
 
     # Merge rows: the cascade's (numbered in its groups' tokens) and the rest's, by
@@ -304,11 +305,11 @@ def plan_cascade(qo_lens, kv_lens, groups: CascadeGroups, *, num_kv_heads: int,
     token = keys // num_heads
     return BatchPlan(
         decode=lists["decode"], prefill=lists["prefill"], merge_count=merge_rows,
-        merge_indptr=planner._frozen(indptr), merge_slots=planner._frozen(slots[order]),
-        merge_token=planner._frozen(token), merge_head=planner._frozen(keys % num_heads),
-        merge_request=planner._frozen(token_request[token]), num_partial_rows=num_partial,
-        cascade=cascade, cascade_item=planner._frozen(cascade_item),
-        token_request=planner._frozen(token_request), cascade_groups=groups,
+        merge_indptr=frozen(indptr), merge_slots=frozen(slots[order]),
+        merge_token=frozen(token), merge_head=frozen(keys % num_heads),
+        merge_request=frozen(token_request[token]), num_partial_rows=num_partial,
+        cascade=cascade, cascade_item=frozen(cascade_item),
+        token_request=frozen(token_request), cascade_groups=groups,
     )
 
 
@@ -350,7 +351,7 @@ def _own_items_to_cascade(cascade, cascade_item, prefill_list, grouped, qo, kv, 
         k_indptr, k_block = plan_assign.work_lists(k_cost, [w[f][kept] for f in fields],
                                                    tiling.num_ctas)
     else:
-        k_indptr = planner._zeros_i32(tiling.num_ctas + 1)
+        k_indptr = zeros_i32(tiling.num_ctas + 1)
         k_block = np.zeros((6, 0), dtype=np.int32)
     new_prefill = replace(prefill_list, work_indptr=k_indptr,
                           **{f: k_block[i] for i, f in enumerate(fields)})

@@ -24,9 +24,8 @@ from typing import Any
 import numpy as np
 
 from attnlang.runtime import planner
+from attnlang.runtime.plan_units import EMPTY_I32, ZERO_I32, frozen, zeros_i32
 from attnlang.runtime.planner import (
-    _EMPTY_I32,
-    _ZERO_I32,
     MIN_KV_CHUNK,
     Plan,
     PlanBounds,
@@ -34,10 +33,8 @@ from attnlang.runtime.planner import (
     _check_bound,
     _check_positive,
     _empty_plan,
-    _frozen,
     _lengths,
     _schedule,
-    _zeros_i32,
     worst_case_bounds,
 )
 
@@ -81,8 +78,8 @@ class BatchPlan:
     # kernel's work list (its partial rows come first), per item the group's token end and
     # the q_pos range of its rows ([items, 3] flattened), and each token's request.
     cascade: Plan | None = None
-    cascade_item: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
-    token_request: np.ndarray = field(default_factory=lambda: _EMPTY_I32)
+    cascade_item: np.ndarray = field(default_factory=lambda: EMPTY_I32)
+    token_request: np.ndarray = field(default_factory=lambda: EMPTY_I32)
     cascade_groups: Any = None  # its CascadeGroups (which requests share what)
 
     @property
@@ -197,14 +194,14 @@ def plan_mixed(
     any_prefill = int(qo.max(initial=0)) * group_size > prefill_min_rows
     # The lists' Plans share the frozen kv_lens; a decode-only batch's prefill list gets
     # shared zeros for its qo_lens (and the other way round).
-    kv32, no_q = _frozen(kv), _zeros_i32(qo.shape[0])
+    kv32, no_q = frozen(kv), zeros_i32(qo.shape[0])
     if any_prefill:
         to_prefill = qo * group_size > prefill_min_rows
         dec_qo, pre_qo = np.where(to_prefill, 0, qo), np.where(to_prefill, qo, 0)
-        dec_lens, pre_lens = (_frozen(dec_qo), kv32), (_frozen(pre_qo), kv32)
+        dec_lens, pre_lens = (frozen(dec_qo), kv32), (frozen(pre_qo), kv32)
     else:
         dec_qo, pre_qo = qo, None
-        dec_lens, pre_lens = (_frozen(qo), kv32), (no_q, kv32)
+        dec_lens, pre_lens = (frozen(qo), kv32), (no_q, kv32)
     dec = _schedule(dec_qo, kv, rows_per_tile=decode.rows_per_tile, num_ctas=decode.num_ctas,
                     kv_align=decode.kv_align, lens32=dec_lens, **common)
     if pre_qo is None:
@@ -223,9 +220,9 @@ def plan_mixed(
                         compute_bound=room, **common)
     if dec.merge_count == 0 and pre.merge_count == 0:
         # Nothing split (no partial rows either): nothing to renumber or merge.
-        return BatchPlan(decode=dec, prefill=pre, merge_count=0, merge_indptr=_ZERO_I32,
-                         merge_slots=_EMPTY_I32, merge_token=_EMPTY_I32,
-                         merge_head=_EMPTY_I32, merge_request=_EMPTY_I32, num_partial_rows=0)
+        return BatchPlan(decode=dec, prefill=pre, merge_count=0, merge_indptr=ZERO_I32,
+                         merge_slots=EMPTY_I32, merge_token=EMPTY_I32,
+                         merge_head=EMPTY_I32, merge_request=EMPTY_I32, num_partial_rows=0)
     num_partial_rows = dec.num_partial_rows + pre.num_partial_rows
     _check_bound(bounds.max_partial_rows, "max_partial_rows", num_partial_rows,
                  "partial rows (split-KV states)")
@@ -240,7 +237,7 @@ def plan_mixed(
     # Each sub-plan's qo_lens are the queries its list covers (0 for the other kernel's
     # requests). The prefill list's partial rows follow the decode list's.
     shift = dec.num_partial_rows
-    pre = replace(pre, work_partial=_frozen(
+    pre = replace(pre, work_partial=frozen(
         np.where(pre.work_partial >= 0, pre.work_partial.astype(np.int64) + shift, -1)))
     indptr = np.concatenate((dec.merge_indptr, pre.merge_indptr[1:] + dec.merge_indptr[-1]))
     # A sub-plan numbers merge tokens from its own qo_lens (the other kernel's requests have
@@ -252,12 +249,12 @@ def plan_mixed(
         tokens.append(sub.merge_token + (qo_start - sub_start)[sub.merge_request])
     return BatchPlan(
         decode=dec, prefill=pre, merge_count=merge_count,
-        merge_indptr=_frozen(indptr),
-        merge_slots=_frozen(np.concatenate((dec.merge_slots,
+        merge_indptr=frozen(indptr),
+        merge_slots=frozen(np.concatenate((dec.merge_slots,
                                             pre.merge_slots.astype(np.int64) + shift))),
-        merge_token=_frozen(np.concatenate(tokens)),
-        merge_head=_frozen(np.concatenate((dec.merge_head, pre.merge_head))),
-        merge_request=_frozen(np.concatenate((dec.merge_request, pre.merge_request))),
+        merge_token=frozen(np.concatenate(tokens)),
+        merge_head=frozen(np.concatenate((dec.merge_head, pre.merge_head))),
+        merge_request=frozen(np.concatenate((dec.merge_request, pre.merge_request))),
         num_partial_rows=num_partial_rows,
     )
 

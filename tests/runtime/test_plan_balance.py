@@ -188,12 +188,12 @@ def test_level_tail_never_cuts_more_than_it_gains():
 
 
 def test_trim_kv_at_inverts_visible_between():
-    from attnlang.runtime.planner import _units
+    from attnlang.runtime.plan_units import work_units
 
     v = al.parse(f"variant w\n{MASKS['window']}")
 
     qo, kv = np.array([300, 50]), np.array([3000, 2000])
-    u = _units(qo, 4, 128, 2)
+    u = work_units(qo, 4, 128, 2)
     trim = plan_trim.trim(v.mask, qo, kv, u, 4, 2, 64, 64)
     rng = np.random.default_rng(1)
     for x in range(u.req.shape[0]):

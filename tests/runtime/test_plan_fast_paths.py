@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import attnlang as al
-from attnlang.runtime import plan_assign, plan_trim, planner
+from attnlang.runtime import plan_assign, plan_trim, plan_units, planner
 from attnlang.runtime.plan_mixed import Tiling, plan_mixed
 from attnlang.runtime.planner import plan_batch
 
@@ -197,8 +197,8 @@ def test_units_fast_path_and_memo_match_the_general_formulas():
     for _ in range(100):
         qo = rng.integers(0, 3, int(rng.integers(1, 30))).astype(np.int64)
         group, rows, heads = int(rng.choice([1, 2, 4])), int(rng.choice([4, 8])), 8
-        units = planner._units(qo, group, rows, heads)
-        assert planner._units(qo.copy(), group, rows, heads) is units  # memoized
+        units = plan_units.work_units(qo, group, rows, heads)
+        assert plan_units.work_units(qo.copy(), group, rows, heads) is units  # memoized
         expect = [(b, h, t * rows, min(q * group - t * rows, rows))
                   for b, q in enumerate(qo.tolist()) for h in range(heads)
                   for t in range(_ceil(q * group, rows))]
@@ -223,7 +223,7 @@ def test_masked_fast_paths_match_unmemoized_plans():
             qo = np.where(rng.random(kv.shape[0]) < 0.8, 1, np.minimum(kv, 40))
             a = plan_mixed(qo, kv, num_kv_heads=8, group_size=4, **tilings, mask=mask,
                            head_dim=128)
-            planner._UNITS.clear()
+            plan_units._UNITS.clear()
             plan_trim._READS_HEAD.clear()
             b = plan_mixed(qo, kv, num_kv_heads=8, group_size=4, **tilings, mask=mask,
                            head_dim=128)
