@@ -251,7 +251,7 @@ def plan_mixed(
         decode=dec, prefill=pre, merge_count=merge_count,
         merge_indptr=frozen(indptr),
         merge_slots=frozen(np.concatenate((dec.merge_slots,
-                                            pre.merge_slots.astype(np.int64) + shift))),
+                                           pre.merge_slots.astype(np.int64) + shift))),
         merge_token=frozen(np.concatenate(tokens)),
         merge_head=frozen(np.concatenate((dec.merge_head, pre.merge_head))),
         merge_request=frozen(np.concatenate((dec.merge_request, pre.merge_request))),

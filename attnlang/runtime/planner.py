@@ -566,8 +566,8 @@ def _chunked(qo, kv, lens32, u, unit_n, unit_split, item_unit, item_kv0, item_kv
                item_partial)
     work = plan_assign.work_lists(cost, fields_, num_ctas, assigned, by_group)
 
-    merge = plan_units.merge_rows(qo, u, unit_split, unit_n, item_first, item_partial, group_size,
-                        num_kv_heads)
+    merge = plan_units.merge_rows(qo, u, unit_split, unit_n, item_first, item_partial,
+                                  group_size, num_kv_heads)
     _check_bound(bounds.max_merge_rows, "max_merge_rows", merge.count, "merge rows")
     return _plan(qo, kv, lens32, num_ctas, num_kv_heads, group_size, rows_per_tile, bound,
                  work, merge, num_partial_rows)
