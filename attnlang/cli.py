@@ -138,7 +138,7 @@ def compile(file, head_dims, dtypes, arch, kv_dtype, cascade, out_dir):  # noqa:
         for kind, cubin in km.cubins.items():
             # ptxas reports static shared memory only; the kernels size theirs at launch.
             dynamic = launch_config(kind, head_dim, 1, dtype, cubin.arch, head_dim_vo,
-                                    fine_tiles(km.params)).smem_bytes
+                                    fine_tiles(km.params), km.decode_mma).smem_bytes
             for fn in cubin.functions:
                 shown = dtype if km.kv_dtype == dtype else f"{dtype}, fp8 KV"
                 rows.append((kind, shown, dims, cubin.arch, str(fn.registers),

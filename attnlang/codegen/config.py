@@ -15,6 +15,11 @@ decode (kernels_templates/decode.cu.j2), block (TX, R, TZ):
   shared memory (K and V: stages * kv_tile * head_dim * sizeof(T) each). One compiled
   kernel serves every R and TZ (read from blockDim), so group size is a launch choice.
 
+decode on tensor cores (kernels_templates/decode_mma.cu.j2; `decode_mma` says where): an fp8
+cache at head_dim 128 with the softmax on and no key or value hook. Block (TX, R, TZ) of
+DECODE_MMA_WARPS warps, R <= DECODE_MMA_ROWS (the mma's N); each warp streams its own
+32-key tiles through its own ring, and the rows' layout serves the q and output stages.
+
 merge (kernels_templates/merge.cu.j2), block (TX, ROWS, 1): one TX-lane group per merge row,
 grid-stride over rows; no shared memory.
 
@@ -46,7 +51,8 @@ from dataclasses import dataclass
 
 __all__ = ["KINDS", "DTYPES", "HEAD_DIMS", "HEAD_DIM_PAIRS", "TemplateShape", "LaunchConfig",
            "template_shape", "launch_config", "dtype_ctype", "uses_wgmma", "check_head_dims",
-           "STATIC_SMEM_LIMIT", "DISTANCE_TABLE_BYTES", "fine_tiles"]
+           "STATIC_SMEM_LIMIT", "DISTANCE_TABLE_BYTES", "fine_tiles", "decode_mma",
+           "DECODE_MMA_ROWS"]
 
 # "cascade": the prefill kernel for a shared-prefix level (its items span several requests'
 # rows), compiled only where a BatchAttention plans cascades; its shape is prefill's.
@@ -132,6 +138,15 @@ _PREFILL_WGMMA_KEY_STAGES = {256: 2}
 # (benchmarks/NOTES.md).
 _DISTANCE_KEY_STAGES = {128: 2}
 _WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100)
+# The decode kernel of an fp8 cache on tensor cores (decode_mma.cu.j2): 4 warps, each with
+# its own ring of 3 stages of 32 keys (24 KB of e4m3 K and V), 112 KB per CTA with the warps'
+# states: two CTAs per SM, 128 KB of copies in flight per SM. Work items of up to 8 fused rows
+# (the mma's N), so decode steps of GQA groups up to 8 stay in the decode kernel.
+DECODE_MMA_ROWS = 8
+_DECODE_MMA_WARPS = 4
+_DECODE_MMA_TILE = 128  # keys per CTA tile: 32 per warp
+_DECODE_MMA_STAGES = 3
+_DECODE_MMA_HEAD_DIMS = ((128, 128),)
 
 
 @dataclass(frozen=True)
@@ -161,6 +176,7 @@ class TemplateShape:
     key_stages: int = 0  # prefill: K stages (`stages` or, on the wgmma path, one fewer)
     producer_threads: int = 0  # prefill: threads of a producer warpgroup beside max_threads
     table_bytes: int = DISTANCE_TABLE_BYTES  # prefill: the distance table's region, after Q
+    decode_mma: bool = False  # decode: the tensor-core kernel of an fp8 cache (decode_mma.cu.j2)
 
     @property
     def block_threads(self) -> int:
@@ -254,6 +270,20 @@ def fine_tiles(params) -> bool:
     return any(p.is_pair for p in params)
 
 
+def decode_mma(head_dim: int, head_dim_vo: int | None, kv_dtype: str | None, *, softmax: bool,
+               kv_hooks: bool, pair_masks: bool) -> bool:
+    """Does the decode kernel of such a variant run on tensor cores (decode_mma.cu.j2)? For
+    an fp8 cache at head_dim 128 with the softmax on (P in [0, 1] fits f16), no key or value
+    hook (the fragments are converted straight from the cache's bytes) and no per-pair mask.
+    Every other variant and cache keeps decode.cu.j2. The renderer, the compiled module and
+    its launches all ask here, so they agree.
+    ``decode_mma(128, 128, "float8_e4m3fn", softmax=True, kv_hooks=False, pair_masks=False)``
+    -> True."""
+    dims = (head_dim, head_dim if head_dim_vo is None else head_dim_vo)
+    return (kv_dtype == KV_FP8 and dims in _DECODE_MMA_HEAD_DIMS and softmax and not kv_hooks
+            and not pair_masks)
+
+
 def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | None = None) -> bool:
     """True when `kind` at head_dim compiled for `arch` takes the wgmma path (prefill on
     sm_90a at head_dim 64, 128 and 192/128; the pair is checked by template_shape).
@@ -264,12 +294,13 @@ def uses_wgmma(kind: str, head_dim: int, arch: str | None, head_dim_vo: int | No
 
 def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None,
                    head_dim_vo: int | None = None, fine_tiles: bool = False,
-                   distance_table: bool = False) -> TemplateShape:
+                   distance_table: bool = False, decode_mma: bool = False) -> TemplateShape:
     """The compile-time constants of `kind` for (head_dim, head_dim_vo, dtype) on `arch`
     (None: the mma.sync path every sm_80+ target runs; head_dim_vo None: head_dim).
     fine_tiles: the variant has a per-pair mask (`_PREFILL_WGMMA_FINE_SHAPE`).
     distance_table: its logits have a distance term (`_DISTANCE_KEY_STAGES`); the shape's
-    shared memory is the same either way, so a launch need not know. Raises ValueError."""
+    shared memory is the same either way, so a launch need not know. decode_mma: the decode
+    kind's tensor-core kernel (the module-level `decode_mma` decides). Raises ValueError."""
     _check(kind, dtype)
     head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
     ctype, size = DTYPES[dtype]
@@ -302,6 +333,12 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
                              key_stages,
                              PRODUCER_THREADS if wgmma and head_dim in _PRODUCER_HEAD_DIMS else 0,
                              table_bytes)
+    if decode_mma:
+        if kind != "decode" or (head_dim, head_dim_vo) not in _DECODE_MMA_HEAD_DIMS:
+            raise ValueError(f"no tensor-core {kind} kernel at head dims {head_dim}/{head_dim_vo}")
+        return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx,
+                             _DECODE_MMA_TILE, _DECODE_MMA_STAGES, 0, 32 * _DECODE_MMA_WARPS,
+                             2, decode_mma=True)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
     kv_tile = max(_prev_pow2(_TILE_BYTES // ((head_dim + head_dim_vo) * size)),
@@ -323,7 +360,7 @@ def _prev_pow2(n: int) -> int:
 
 def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloat16",
                   arch: str | None = None, head_dim_vo: int | None = None,
-                  fine_tiles: bool = False) -> LaunchConfig:
+                  fine_tiles: bool = False, decode_mma: bool = False) -> LaunchConfig:
     """Block, rows per work item, dynamic shared memory and KV tile of a launch.
 
     group_size: query heads per KV head. The decode kernel fuses a work item's rows over the
@@ -345,8 +382,14 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     queries of every head of the group. arch: the target the kernel was compiled for (it
     picks the prefill path, see `template_shape`). head_dim_vo: the value / output head dim
     (None: head_dim). fine_tiles: the variant has a per-pair mask (see `template_shape`).
+    decode_mma: the decode kernel is the tensor-core one (module-level `decode_mma`): R up to
+    DECODE_MMA_ROWS, the block exactly its warps, kv_tile a CTA's tile of every warp's keys.
+
+    >>> launch_config("decode", 128, 4, decode_mma=True)
+    LaunchConfig(block=(16, 4, 2), rows_per_tile=4, smem_bytes=114944, kv_tile=128)
     """
-    shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo, fine_tiles)
+    shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo, fine_tiles,
+                           decode_mma=decode_mma and kind == "decode")
     if not _is_int(group_size) or group_size < 1:
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     group_size, head_dim, head_dim_vo = int(group_size), shape.head_dim, shape.head_dim_vo
@@ -357,6 +400,12 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     if kind in ("prefill", "cascade"):
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         return LaunchConfig((shape.block_threads, 1, 1), rows, shape.smem_bytes, shape.kv_tile)
+    if shape.decode_mma:  # the warps' rings of e4m3 bytes, then their states (o, m, d) per row
+        rows = min(_next_pow2(group_size), DECODE_MMA_ROWS)
+        states = _DECODE_MMA_WARPS * DECODE_MMA_ROWS * (head_dim_vo + 2) * 4
+        smem = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) + states
+        return LaunchConfig((shape.tx, rows, shape.max_threads // (shape.tx * rows)), rows, smem,
+                            shape.kv_tile)
     stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)
     tz = max(1, _MIN_THREADS // (shape.tx * rows))

@@ -25,7 +25,7 @@ from attnlang.codegen.c_expr import member_name
 from attnlang.codegen.lower import LINE_RESET, Hooks
 from attnlang.ir import KV_SCALE_PARAMS
 
-__all__ = ["render", "context", "environment", "generated_name"]
+__all__ = ["render", "context", "environment", "generated_name", "decode_mma"]
 
 
 class _Loader(jinja2.FileSystemLoader):
@@ -169,6 +169,14 @@ def _kv_source(hooks: Hooks, kv_dtype: str | None, dtype: str) -> tuple[str, str
     return ctype, source
 
 
+def decode_mma(hooks: Hooks, head_dim: int, head_dim_vo: int | None,
+               kv_dtype: str | None) -> bool:
+    """Is this variant's decode kernel the tensor-core one (`config.decode_mma`)?"""
+    return config.decode_mma(head_dim, head_dim_vo, kv_dtype, softmax=hooks.softmax,
+                             kv_hooks=hooks.has_key or hooks.has_value,
+                             pair_masks=hooks.pair_masks)
+
+
 def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
             arch: str | None = None, head_dim_vo: int | None = None,
             kv_dtype: str | None = None) -> dict[str, object]:
@@ -179,10 +187,14 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
     ``variant::mask_tile`` (mask_tiles.cuh), spliced verbatim ahead of the hooks. arch picks
     the prefill path (`config.uses_wgmma`); ``wgmma`` is its C++ literal, ``wgmma_source``
     the Hopper helpers (prefill only). kv_dtype: the cache's element type (None: dtype);
-    ``kv_ctype`` is its C type and ``kv_source`` its ``kv_scales``.
+    ``kv_ctype`` is its C type and ``kv_source`` its ``kv_scales``. ``template`` names the
+    .cu.j2 file: the kind's, prefill's for a cascade, decode_mma's for a decode kernel on tensor
+    cores (`decode_mma`).
     """
     shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo, hooks.pair_masks,
-                                  hooks.distance_table)
+                                  hooks.distance_table,
+                                  kind == "decode" and decode_mma(hooks, head_dim, head_dim_vo,
+                                                                  kv_dtype))
     kv_ctype, kv_source = _kv_source(hooks, kv_dtype, dtype)
     cascade = kind == "cascade"
     if cascade and hooks.kv_reads_request:
@@ -191,6 +203,8 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
             "`batch`, `qo_len` or `kv_len`, so the keys of a prefix shared by several "
             "requests differ per request; plan without cascade")
     return {
+        "template": ("decode_mma" if shape.decode_mma else
+                     "prefill" if cascade else kind),  # prefill.cu.j2 with kCascade
         "variant_name": hooks.variant,
         "dtype": dtype,
         "ctype": shape.ctype,
@@ -255,6 +269,5 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None 
         'extern "C" __global__' in src   # True
     """
     ctx = context(hooks, kind, dtype, head_dim, arch, head_dim_vo, kv_dtype)
-    template = "prefill" if kind == "cascade" else kind  # prefill.cu.j2 with kCascade
-    text = environment().get_template(f"{template}.cu.j2").render(**ctx)
+    text = environment().get_template(f"{ctx['template']}.cu.j2").render(**ctx)
     return _resolve_line_resets(text, generated_name(hooks, kind))

@@ -108,7 +108,8 @@ class BatchAttention:
             the prefill kernel's occupancy).
         prefill_min_rows: requests with more fused rows (qo_len x group) than this run in
             the prefill kernel, the others in the decode kernel (default
-            `planner.PREFILL_MIN_ROWS`, 3: see there why).
+            `planner.PREFILL_MIN_ROWS`, 3: see there why; 8 where the decode kernel runs on
+            tensor cores, `config.decode_mma`: an fp8 cache at head_dim 128).
         device: CUDA device ordinal (default: CuPy's current device).
         head_dim_vo: the values' (and outputs') head dim when it differs from head_dim:
             128 with head_dim 192, MLA's shape without weight absorption (DeepSeek-V2/V3
@@ -174,15 +175,14 @@ class BatchAttention:
                             ("num_prefill_ctas", num_prefill_ctas)):
             if value is not None:
                 check_count(name, value)
-        if prefill_min_rows is None:
-            prefill_min_rows = planner.PREFILL_MIN_ROWS
-        if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows,
-                                                                (int, np.integer)):
-            raise TypeError("prefill_min_rows must be an integer >= 0, got "
-                            f"{type(prefill_min_rows).__name__}")
-        if prefill_min_rows < 0:
-            raise ValueError(f"prefill_min_rows must be an integer >= 0, got {prefill_min_rows}")
-        self.prefill_min_rows = int(prefill_min_rows)
+        if prefill_min_rows is not None:
+            if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows,
+                                                                    (int, np.integer)):
+                raise TypeError("prefill_min_rows must be an integer >= 0, got "
+                                f"{type(prefill_min_rows).__name__}")
+            if prefill_min_rows < 0:
+                raise ValueError(
+                    f"prefill_min_rows must be an integer >= 0, got {prefill_min_rows}")
         if not isinstance(cascade, bool):
             raise TypeError(f"cascade must be True or False, got {cascade!r}")
         self.cascade = cascade
@@ -197,7 +197,7 @@ class BatchAttention:
 
         import cupy
 
-        from attnlang.codegen.config import fine_tiles, launch_config
+        from attnlang.codegen.config import DECODE_MMA_ROWS, fine_tiles, launch_config
 
         _require_gpu(cupy)
         self.device = cupy.cuda.Device(device).id if device is None else int(device)
@@ -235,9 +235,15 @@ class BatchAttention:
         s = self.shape
         arch = self.module.arch  # the prefill kernel's path (and launch) depends on it
         fine = fine_tiles(self.module.params)  # as render chose them
+        mma = self.module.decode_mma
         self._decode_cfg, self._prefill_cfg, self._merge_cfg = (
-            launch_config(kind, s.head_dim, s.group_size, s.dtype, arch, s.head_dim_vo, fine)
+            launch_config(kind, s.head_dim, s.group_size, s.dtype, arch, s.head_dim_vo, fine,
+                          mma and kind == "decode")
             for kind in ("decode", "prefill", "merge"))
+        # The tensor-core decode kernel keeps the decode steps of GQA groups up to 8.
+        if prefill_min_rows is None:
+            prefill_min_rows = DECODE_MMA_ROWS if mma else planner.PREFILL_MIN_ROWS
+        self.prefill_min_rows = int(prefill_min_rows)
         self._decode = self.module.function("decode", self.device,
                                             dynamic_smem=self._decode_cfg.smem_bytes)
         self._prefill = self.module.function("prefill", self.device,

@@ -72,7 +72,9 @@ class KernelModule:
     "C" entry name), variant (the ir.Variant, None for a loaded module), param_dims (tensor
     param name -> the length of its `dim` axis: head_dim, or head_dim_vo for a table the value
     and output stages read), kv_dtype (the K/V cache's element type: dtype, or
-    "float8_e4m3fn", whose kernels take the scales k_scale and v_scale as the last params).
+    "float8_e4m3fn", whose kernels take the scales k_scale and v_scale as the last params),
+    decode_mma (its decode kernel is the tensor-core one, `config.decode_mma`: launches
+    differ).
 
     Example::
 
@@ -96,6 +98,7 @@ class KernelModule:
     head_dim_vo: int = 0  # 0: head_dim (set in __post_init__)
     param_dims: Mapping[str, int] = field(default_factory=dict, repr=False)
     kv_dtype: str = ""  # "": dtype (set in __post_init__)
+    decode_mma: bool = False
     # device ordinal -> kind -> (cupy.cuda.Module, Function, dynamic smem opted into)
     _loaded: dict = field(default_factory=dict, init=False, repr=False)
     _lock: Any = field(default_factory=threading.Lock, init=False, repr=False)
@@ -141,6 +144,7 @@ class KernelModule:
             },
             "dtype": self.dtype,
             "kv_dtype": self.kv_dtype,
+            "decode_mma": self.decode_mma,
             "head_dim": self.head_dim,
             "head_dim_vo": self.head_dim_vo,
             "param_dims": dict(self.param_dims),
@@ -251,11 +255,15 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     entries = {kind: _entry_name(kind, [f.name for f in cubins[kind].functions], labels[kind])
                for kind in kinds}
     major, minor = toolchain().nvrtc  # no CuPy import when every kernel was cached
+    from attnlang.codegen.lower import lower
+    from attnlang.codegen.render import decode_mma
+
     module = KernelModule(
         name=variant.name, params=tuple(variant.params), softmax=bool(variant.softmax),
         dtype=dtype, head_dim=head_dim, arch=arch, cubins=cubins, entries=entries,
         variant=variant, nvrtc_version=f"{major}.{minor}", head_dim_vo=head_dim_vo,
         param_dims=param_dims, kv_dtype=kv_dtype,
+        decode_mma=decode_mma(lower(variant), head_dim, head_dim_vo, kv_dtype),  # as rendered
     )
     with _MODULES_LOCK:
         return _MODULES.setdefault(key, module)
@@ -329,6 +337,7 @@ def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -
             param_dims={str(k): int(v) for k, v in manifest.get("param_dims", {}).items()},
             kv_dtype=normalize_kv_dtype(manifest.get("kv_dtype"),
                                         normalize_dtype(manifest["dtype"])),
+            decode_mma=bool(manifest.get("decode_mma", False)),
         )
     except ModuleLoadError:
         raise

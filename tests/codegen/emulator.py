@@ -1,4 +1,6 @@
 """Run the rendered decode and merge kernels on the CPU, for tests on machines without a GPU.
+(The tensor-core decode kernel, decode_mma.cu.j2, builds with emulator_prefill's warp
+collectives.)
 
 The real rendered source (`attnlang.codegen.render.render`) is compiled as C++ by g++ against
 ``emulator_shim.h``, which emulates the CUDA subset the templates use (threads, barriers,
@@ -31,7 +33,7 @@ import numpy as np
 from attnlang import fp8, ir, paths, reference
 from attnlang.codegen.config import KV_FP8, launch_config
 from attnlang.codegen.lower import lower
-from attnlang.codegen.render import render
+from attnlang.codegen.render import decode_mma, render
 from attnlang.runtime import pairmask
 from attnlang.runtime.planner import plan_batch
 
@@ -150,6 +152,11 @@ def _emulated_source(src: str, kind: str) -> str:
 def build(hooks, kind: str, dtype: str, head_dim: int, bin_dir: Path,
           head_dim_vo: int | None = None, kv_dtype: str | None = None) -> Path:
     """The emulator executable of one kernel (cached in bin_dir by source hash)."""
+    if kind == "decode" and decode_mma(hooks, head_dim, head_dim_vo, kv_dtype):
+        from tests.codegen import emulator_prefill  # its shim has the mma warp collectives
+
+        return emulator_prefill.build(hooks, kind, dtype, head_dim, bin_dir, head_dim_vo,
+                                      kv_dtype)
     src = _emulated_source(render(hooks, kind, dtype, head_dim, None, head_dim_vo, kv_dtype),
                            kind)
     return compile_cached(src, f"{hooks.variant}_{kind}_{dtype}_{head_dim}_{head_dim_vo}",
@@ -340,7 +347,8 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
 
     v, params = with_kv_scales(v, params, kv_dtype, kv_scales)
     hooks = lower(v)
-    cfg = launch_config("decode", head_dim, group, dtype, head_dim_vo=dv)
+    cfg = launch_config("decode", head_dim, group, dtype, head_dim_vo=dv,
+                        decode_mma=decode_mma(hooks, head_dim, dv, kv_dtype))
     plan = plan_batch(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
                       rows_per_tile=cfg.rows_per_tile, num_ctas=num_ctas,
                       kv_align=cfg.kv_tile, kv_chunk_size=kv_chunk_size)

@@ -25,9 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from attnlang import ir, reference
-from attnlang.codegen.config import launch_config
+from attnlang.codegen.config import DECODE_MMA_ROWS, launch_config
 from attnlang.codegen.lower import lower
-from attnlang.codegen.render import render
+from attnlang.codegen.render import decode_mma, render
 from attnlang.runtime import cascade as cascades
 from attnlang.runtime.plan_mixed import Tiling, plan_mixed
 from tests.codegen import emulator as base
@@ -39,6 +39,7 @@ _LDMATRIX = re.compile(r'asm volatile\("ldmatrix\.sync\.aligned\.m8n8\.x4(\.tran
                        r'.*?\);', re.S)
 _MMA = re.compile(r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.(bf16|f16)\.'
                   r'.*?\);', re.S)
+_MOVMATRIX = re.compile(r'asm volatile\("movmatrix\.sync\.aligned\.m8n8\.trans\.b16.*?\);', re.S)
 _SMEM_U32 = "return static_cast<unsigned>(__cvta_generic_to_shared(ptr));"
 # prefill_tiles.cuh's cp.async to a shared-memory address (load_tile), before the base emulator's
 # substitution of common.cuh's generic-pointer one.
@@ -56,6 +57,7 @@ def _emulated_source(src: str, kind: str) -> str:
     src, n_mma = _MMA.subn(
         lambda m: f"emu_mma<{'true' if m.group(1) == 'bf16' else 'false'}>(c, a, b0, b1);", src)
     assert n_ld == 2 and n_mma == 2, "common.cuh's mma section changed; update the emulator"
+    src = _MOVMATRIX.sub("y = emu_movmatrix_trans(x);", src)  # decode_mma.cu.j2's transpose
     assert _SMEM_U32 in src, "common.cuh's smem_u32 changed; update the emulator"
     src, n_cp = _CP_ASYNC_SHARED.subn("emu_cp_async(emu_smem() + dst, src, valid);", src)
     src, n_cp8 = _CP_ASYNC_SHARED_8.subn("emu_cp_async(emu_smem() + dst, src, valid, 8);", src)
@@ -134,17 +136,23 @@ def run_case(v: ir.Variant, workdir: Path, *, dtype: str = "bfloat16", head_dim:
 
     v, params = base.with_kv_scales(v, params, kv_dtype, kv_scales)
     hooks = lower(v)
-    cfgs = {kind: launch_config(kind, head_dim, group, dtype, head_dim_vo=dv)
+    # The decode kernel on tensor cores (an fp8 cache) keeps decode steps of up to 8 rows, as
+    # BatchAttention plans them.
+    mma = decode_mma(hooks, head_dim, dv, kv_dtype)
+    cfgs = {kind: launch_config(kind, head_dim, group, dtype, head_dim_vo=dv,
+                                decode_mma=mma and kind == "decode")
             for kind in ("decode", "prefill")}
+    min_rows = {"prefill_min_rows": DECODE_MMA_ROWS} if mma else {}
     tilings = {kind: Tiling(c.rows_per_tile, num_ctas, c.kv_tile) for kind, c in cfgs.items()}
     if shared_pages:
         lcp = cascades.adjacent_shared(kv_indptr, kv_indices, kv_lens, page_size)
         plan = cascades.plan_cascade(qo_lens, kv_lens, cascades.find_groups(lcp, min_shared_kv=1),
                                      num_kv_heads=num_kv_heads, group_size=group, **tilings,
-                                     kv_chunk_size=kv_chunk_size, own_in_cascade=own_in_cascade)
+                                     kv_chunk_size=kv_chunk_size, own_in_cascade=own_in_cascade,
+                                     **min_rows)
     else:
         plan = plan_mixed(qo_lens, kv_lens, num_kv_heads=num_kv_heads, group_size=group,
-                          **tilings, kv_chunk_size=kv_chunk_size)
+                          **tilings, kv_chunk_size=kv_chunk_size, **min_rows)
     nan16 = np.uint16(0x7FFF if dtype == "float16" else 0x7FC0)
     partial_rows = max(1, plan.num_partial_rows)
     state = {

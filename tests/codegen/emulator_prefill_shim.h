@@ -6,6 +6,7 @@
 //   ldmatrix .x4 (.trans)   lanes 8i .. 8i+7 address the rows of matrix i; lane l receives
 //                     (row l/4, cols 2(l%4) + {0,1}) of each, or the transpose
 //   mma m16n8k16      bf16 / f16 inputs, fp32 accumulation (exact products, float sums)
+//   movmatrix .trans  an 8x8 matrix of 16-bit values in fragment layout, transposed
 // Shared-memory "addresses" are byte offsets from the block's emulated shared memory.
 #pragma once
 inline int __ffs(unsigned x) { return x ? __builtin_ctz(x) + 1 : 0; }
@@ -72,4 +73,16 @@ inline void emu_mma(float (&c)[4], const unsigned (&a)[4], unsigned b0, unsigned
     for (int k = 0; k < 16; ++k) s += A[h][k] * B[k][n];
     c[2 * h + n] = s;
   }
+}
+inline unsigned emu_movmatrix_trans(unsigned x) {
+  const int tid = emu_linear_tid(), lane = tid % 32, warp = tid / 32;
+  auto& X = g_xchg[warp].v;
+  X[lane][0] = x;
+  emu_warp_sync();
+  // Lane (g, t) receives M[2t][g] and M[2t + 1][g]; M[r][c] is half c % 2 of lane 4 r + c / 2.
+  const int g = lane / 4, t = lane % 4;
+  const unsigned lo = ((unsigned)X[4 * (2 * t) + g / 2][0] >> (16 * (g % 2))) & 0xffffu;
+  const unsigned hi = ((unsigned)X[4 * (2 * t + 1) + g / 2][0] >> (16 * (g % 2))) & 0xffffu;
+  emu_warp_sync();
+  return lo | (hi << 16);
 }

@@ -156,6 +156,31 @@ def test_fp8_cache(case, workdir):
 
 
 @pytest.mark.parametrize("case", [
+    # GQA 4: decode steps and a two-query step (8 rows in one item) in the tensor-core decode
+    # kernel beside a prompt, split into KV chunks off the warps' 32-key tiles
+    dict(name="examples/causal.attn", num_heads=8, num_kv_heads=2, qo_lens=(1, 2, 30, 1),
+         kv_lens=(300, 77, 30, 1), kv_chunk_size=72),
+    # fp16, a logits hook, a group of 6 (two idle columns), pages of 7 keys
+    dict(name="examples/softcap.attn", dtype="float16", num_heads=12, num_kv_heads=2,
+         qo_lens=(1, 1), kv_lens=(150, 33), page_size=7),
+    # a window with global tokens (tiles skipped, partly visible; a table per key), MHA,
+    # pages of one key
+    dict(name="examples/longformer.attn", num_heads=2, num_kv_heads=2, qo_lens=(1,),
+         kv_lens=(1500,), page_size=1),
+], ids=["causal-gqa4-split", "softcap-fp16-g6", "longformer-mha"])
+def test_fp8_decode_on_tensor_cores(case, workdir):
+    # decode_mma.cu.j2: e4m3 fragments converted in registers, keys as the mma's M side,
+    # each warp's own ring and softmax state, merged at the item's end
+    case = dict(case)
+    v = attnlang.load(ROOT / case.pop("name"))
+    r = emulator_prefill.run_case(v, workdir / "fp8mma", kv_dtype="float8_e4m3fn", seed=5,
+                                  head_dim=128, **case)
+    assert r.decode_items > 0 and not r.has_nan, r
+    assert r.rel_err <= TOL[case.get("dtype", "bfloat16")], r
+    assert r.lse_finite_matches and r.lse_err <= 5e-3, r
+
+
+@pytest.mark.parametrize("case", [
     # Nested levels (requests 0..3 share 12 pages, 0..1 four more), decode steps and a
     # prompt among them, a request of its own; the shared levels split over KV chunks, the
     # grouped requests' own tensor-core items in the cascade kernel's list too.

@@ -185,7 +185,7 @@ def test_strict_undefined_catches_a_missing_value():
         environment().get_template("decode.cu.j2").render(**ctx)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "decode_mma"])
 def test_templates_use_every_context_value_they_are_given_or_document_it(kind):
     # Each template's opening comment block names the values it splices.
     text = (Path(paths.templates_dir()) / f"{kind}.cu.j2").read_text()
@@ -214,6 +214,39 @@ def test_launch_config_decode():
             assert tz <= shape.kv_tile // shape.chunk  # every z-group gets a softmax chunk
             assert cfg.smem_bytes >= rows * tz * (head_dim + 2) * 4  # z-group merge scratch
             assert cfg.kv_tile == shape.kv_tile
+
+
+def test_decode_on_tensor_cores():
+    # config.decode_mma: an fp8 cache at head dim 128, softmax on, no key or value hook, no
+    # per-pair mask; anything else keeps decode.cu.j2.
+    ok = dict(softmax=True, kv_hooks=False, pair_masks=False)
+    assert config.decode_mma(128, None, config.KV_FP8, **ok)
+    assert config.decode_mma(128, 128, config.KV_FP8, **ok)
+    assert not config.decode_mma(128, None, "bfloat16", **ok)
+    assert not config.decode_mma(128, None, None, **ok)
+    for dims in ((64, 64), (256, 256), (192, 128)):
+        assert not config.decode_mma(*dims, config.KV_FP8, **ok)
+    for flag, value in (("softmax", False), ("kv_hooks", True), ("pair_masks", True)):
+        assert not config.decode_mma(128, None, config.KV_FP8, **{**ok, flag: value})
+    # The renderer asks the same question of the lowered hooks.
+    for variant_id, expect in (("causal", True), ("softcap", True), ("t5_bias", True),
+                               ("qk_norm", False), ("flash_sigmoid", False),
+                               ("spec_tree", False)):
+        v = attnlang.ir.with_kv_scales(load(by_id(variant_id)))
+        src = render(lower(v), "decode", "bfloat16", 128, "sm_90a", None, config.KV_FP8)
+        assert ("attnlang decode kernel on tensor cores" in src) == expect, variant_id
+        assert 'extern "C" __global__' in src and "decode(" in src
+    # Its launches: whole warps, up to 8 rows an item, the CTA's tile of every warp's keys,
+    # two CTAs' shared memory per SM.
+    for group in (1, 2, 3, 4, 6, 8, 16, 32):
+        cfg = config.launch_config("decode", 128, group, "float16", "sm_90a", decode_mma=True)
+        rows = min(1 << (group - 1).bit_length(), config.DECODE_MMA_ROWS)
+        assert cfg.threads == 128 and cfg.block[:2] == (16, rows) and cfg.rows_per_tile == rows
+        assert cfg.kv_tile == 128 and 2 * (cfg.smem_bytes + 1024) <= 228 * 1024
+    assert config.launch_config("prefill", 128, 4, decode_mma=True) == config.launch_config(
+        "prefill", 128, 4)
+    with pytest.raises(ValueError, match=r"no tensor-core decode kernel at head dims 64/64"):
+        config.template_shape("decode", 64, "bfloat16", decode_mma=True)
 
 
 def test_value_head_dim_shapes():
@@ -349,6 +382,25 @@ def head_dims(head_dim) -> tuple[int, int]:
     """A matrix entry's (head_dim, head_dim_vo): 128 -> (128, 128), "192/128" -> (192, 128)."""
     qk, _, vo = str(head_dim).partition("/")
     return int(qk), int(vo or qk)
+
+
+_MMA_MATRIX = [(v, d, a) for v in ("causal", "t5_bias", "longformer") for d in config.DTYPES
+               for a in ("sm_90a", "sm_80")]
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("variant, dtype, arch", _MMA_MATRIX,
+                         ids=["-".join(m) for m in _MMA_MATRIX])
+def test_decode_on_tensor_cores_compiles_without_spills(variant, dtype, arch):
+    from attnlang.runtime.compiler import compile_source
+
+    hooks = lower(attnlang.ir.with_kv_scales(load(by_id(variant))))
+    src = render(hooks, "decode", dtype, 128, arch, None, config.KV_FP8)
+    cubin = compile_source(src, arch, name=generated_name(hooks, "decode"),
+                           label=f"{variant} decode_mma {dtype}")
+    (info,) = [f for f in cubin.functions if f.name == "decode"]
+    assert info.spill_stores == info.spill_loads == info.stack_bytes == 0, cubin.log
+    assert info.registers <= 65536 // (128 * 2)  # two CTAs of 4 warps per SM
 
 
 @needs_nvrtc

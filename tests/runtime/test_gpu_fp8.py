@@ -1,12 +1,14 @@
 """An fp8 (e4m3) KV cache through BatchAttention(kv_dtype="fp8"), against the NumPy reference
 on the dequantised values (attnlang.fp8.from_e4m3(bits) * scale of the KV head).
 
-Both kernels and every path: decode steps of MHA (the CUDA-core decode kernel) and of GQA
-groups of 4 and 8 (the prefill kernel: wgmma with its producer warpgroup at head dims 128 and
-256 on the H100, without one at 64), prompts and chunked prefill, split requests through the
-merge kernel; variants with key / value hooks (the hooks see dequantised values), masks,
-logits terms; scales as floats and as per-head device arrays, torch float8_e4m3fn tensors
-and CuPy uint8 bits; CUDA-graph capture; the errors for what is not allowed.
+Every kernel and path: decode steps at head dim 128 in the tensor-core decode kernel
+(decode_mma.cu.j2: groups up to 8, where the variant has no key or value hook), elsewhere MHA
+in the CUDA-core decode kernel and GQA groups of 4 and 8 in the prefill kernel (wgmma with its
+producer warpgroup at head dims 128 and 256 on the H100, without one at 64), prompts and
+chunked prefill, split requests through the merge kernel; variants with key / value hooks
+(the hooks see dequantised values), masks, logits terms; scales as floats and as per-head
+device arrays, torch float8_e4m3fn tensors and CuPy uint8 bits; CUDA-graph capture; the
+errors for what is not allowed.
 
 Tolerance: the output dtype's (LANGUAGE.md section 7), as the bf16 tests.
 """
@@ -144,14 +146,52 @@ def test_fp8_cache(cp, error_log, variant_id, dtype, head_dim, page_size, group,
 
 @pytest.mark.parametrize("arrays", ["cupy", "torch"])
 def test_fp8_split_and_merged(cp, error_log, arrays):
-    # split requests in both kernels (MHA decode and GQA prefill), torch fp8 tensors
+    # split requests in both kernels (decode steps and a prompt), torch fp8 tensors
     if arrays == "torch":
         pytest.importorskip("torch")
-    for group, expect in ((1, (True, False)), (4, (False, True))):
+    for group, expect in ((1, (True, False)), (4, (True, True))):
         run_fp8(cp, "causal", [1, 1, 40], [2000, 700, 900], num_qo_heads=2 * group,
                 num_kv_heads=2, head_dim=128, dtype="bfloat16", page_size=16, seed=71,
                 error_log=error_log, where=f"fp8 split g{group}", kv_chunk_size=256,
                 arrays=arrays, expect=None if group == 1 else expect)
+
+
+# The tensor-core decode kernel: (variant, dtype, group, page size, queries per request, KV
+# chunk): MHA to groups of 8 (R = 8), a group of 6 (two idle columns), two queries of a group
+# of 4 in one item, pages of 1 and 7 keys, split requests, lengths off the 32-key tiles.
+_MMA_CASES = [
+    ("causal", "bfloat16", 1, 16, 1, None),
+    ("causal", "float16", 4, 16, 1, 256),
+    ("causal", "bfloat16", 8, 7, 1, None),
+    ("causal", "bfloat16", 6, 1, 1, 96),
+    ("causal", "bfloat16", 4, 16, 2, None),
+    ("softcap", "bfloat16", 4, 16, 1, 256),
+    ("alibi", "float16", 2, 16, 1, None),
+    ("t5_bias", "bfloat16", 4, 16, 1, None),
+    ("sliding_window", "bfloat16", 4, 16, 1, 128),
+    ("streaming_llm", "bfloat16", 4, 16, 1, None),
+    ("kitchen_sink", "bfloat16", 8, 16, 1, 200),
+]
+
+
+@pytest.mark.parametrize("variant_id, dtype, group, page_size, queries, chunk", _MMA_CASES,
+                         ids=[f"{v}-{SHORT[d]}-g{g}-p{p}-q{q}-c{c}"
+                              for v, d, g, p, q, c in _MMA_CASES])
+def test_fp8_decode_on_tensor_cores(cp, error_log, variant_id, dtype, group, page_size,
+                                    queries, chunk):
+    from attnlang.codegen.config import decode_mma
+
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    on_tensor_cores = decode_mma(128, 128, "float8_e4m3fn", softmax=variant.softmax,
+                                 kv_hooks=variant.key is not None or variant.value is not None,
+                                 pair_masks=any(p.is_pair for p in variant.params))
+    seed = 7100 + _MMA_CASES.index((variant_id, dtype, group, page_size, queries, chunk))
+    plan = run_fp8(cp, variant_id, [queries] * 4, [1000, 31, 2049, 2], num_qo_heads=2 * group,
+                   num_kv_heads=2, head_dim=128, dtype=dtype, page_size=page_size, seed=seed,
+                   error_log=error_log, where=f"fp8 decode_mma {variant_id} g{group}",
+                   kv_chunk_size=chunk)
+    if on_tensor_cores:  # every step of at most 8 rows decodes there
+        assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
 
 
 def test_fp8_float_scales(cp, error_log):

@@ -621,6 +621,10 @@ def test_fp8_module_round_trip(tmp_path):
     module.save(tmp_path / "m")
     loaded = load_compiled(tmp_path / "m")
     assert loaded.kv_dtype == "float8_e4m3fn" and loaded.params == module.params
+    assert not loaded.decode_mma
+    tensor_cores = fake_module(kv_dtype="float8_e4m3fn", params=module.params, decode_mma=True)
+    tensor_cores.save(tmp_path / "t")
+    assert load_compiled(tmp_path / "t").decode_mma  # the launches follow the saved kernel
     with pytest.raises(ValueError, match=r"cache float8_e4m3fn, but this BatchAttention asks "
                                          r"for bfloat16 head_dim 128/128, cache bfloat16"):
         attnlang.BatchAttention(loaded, 8, 2, 128)

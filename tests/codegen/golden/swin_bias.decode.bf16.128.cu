@@ -1327,6 +1327,11 @@ __device__ __forceinline__ float chunk_tree_sum(const float (&a)[kChunk]) {
   return t[0];
 }
 
+// decode_items.cuh: what both decode kernels (decode.cu.j2 on CUDA cores, decode_mma.cu.j2
+// on tensor cores) read of a work item: its fields and request lengths, a key's cache row,
+// and the mask classes of its KV tiles. Included inside namespace attnlang::decode_kernel
+// after kTileKeys (the keys of one tile, the unit of skipping) is defined.
+
 // One work item plus the lengths of its request.
 struct WorkItem {
   int batch;       // request index
@@ -1370,6 +1375,42 @@ __device__ __forceinline__ long long paged_row(const int* kv_indices, const Work
   const long long cache_token = static_cast<long long>(page) * page_size.divisor + slot;
   return cache_token * num_kv_heads + w.kv_head;
 }
+
+// Tile classes of variant::mask_tile (kernels_templates/mask_tiles.cuh).
+constexpr int kTileAllMasked = 0;   // every (query, key) pair of the tile is masked: skip it
+constexpr int kTileAllVisible = 2;  // every pair is visible: skip the per-key mask
+
+// The KV tiles of a work item and their mask classes over the item's query positions
+// [q_lo, q_hi]. Every thread computes the same classes from the same inputs, so the tile
+// sequence (and every branch on it) is uniform over the CTA.
+struct TileRange {
+  const WorkItem& w;
+  int num_tiles;
+  int q_lo, q_hi;   // query positions of the item's rows
+  Index tile_ix;    // the item's Index (no query head, no positions)
+
+  __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
+    const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
+    const int kv_hi = imin(kv_lo + kTileKeys, w.kv_end) - 1;   // last key inside the item
+    return variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
+  }
+  // The first tile >= tile not entirely masked; num_tiles if none.
+  __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
+    if constexpr (variant::kHasMask) {
+      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
+    }
+    return tile;
+  }
+  // ... among tile, tile + stride, ... (a warp's share of the item: decode_mma.cu.j2).
+  __device__ __forceinline__ int next_visible(int tile, const variant::Params& params,
+                                              const int stride) const {
+    if constexpr (variant::kHasMask) {
+      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) tile += stride;
+    }
+    return tile;
+  }
+};
+
 
 // cp.async of this lane's chunks of key `key` of a stage from cache row `row` (paged_row):
 // elements [tx VEC, + VEC) of K and [tx VEC_VO, + VEC_VO) of V; valid == false zero-fills.
@@ -1486,33 +1527,6 @@ __device__ __forceinline__ void transform_tile(T* k_stage, T* v_stage, const Wor
     }
   }
 }
-
-// Tile classes of variant::mask_tile (kernels_templates/mask_tiles.cuh).
-constexpr int kTileAllMasked = 0;   // every (query, key) pair of the tile is masked: skip it
-constexpr int kTileAllVisible = 2;  // every pair is visible: skip the per-key mask
-
-// The KV tiles of a work item and their mask classes over the item's query positions
-// [q_lo, q_hi]. Every thread computes the same classes from the same inputs, so the tile
-// sequence (and every branch on it) is uniform over the CTA.
-struct TileRange {
-  const WorkItem& w;
-  int num_tiles;
-  int q_lo, q_hi;   // query positions of the item's rows
-  Index tile_ix;    // the item's Index (no query head, no positions)
-
-  __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
-    const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
-    const int kv_hi = imin(kv_lo + kTileKeys, w.kv_end) - 1;   // last key inside the item
-    return variant::mask_tile(q_lo, q_hi, kv_lo, kv_hi, params, tile_ix);
-  }
-  // The first tile >= tile not entirely masked; num_tiles if none.
-  __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
-    if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
-    }
-    return tile;
-  }
-};
 
 // The online-softmax state of one row (this lane's VEC_VO elements of o).
 struct RowState {
