@@ -20,8 +20,8 @@ cache at head_dim 128 with the softmax on and no key or value hook. Block (TX, R
 DECODE_MMA_WARPS warps, R <= DECODE_MMA_ROWS (the mma's N); each warp streams its own
 32-key tiles through its own ring, and the rows' layout serves the q and output stages.
 
-merge (kernels_templates/merge.cu.j2), block (TX, ROWS, 1): one TX-lane group per merge row,
-grid-stride over rows; no shared memory.
+merge (kernels_templates/merge.cu.j2), block (TX, ROWS, SZ): SZ TX-lane groups per merge
+row splitting its partial states, grid-stride over rows; their states meet in shared memory.
 
 prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS [+ PRODUCER_THREADS], 1, 1):
 tensor cores, each warp owns 16 * ROW_BLOCKS fused rows, so a work item covers
@@ -98,6 +98,9 @@ _STAGES = 3
 _TILE_BYTES = 16 * 1024  # K + V bytes of one pipeline stage
 _CHUNK = 4  # keys per online-softmax update (amortises the o rescale)
 _MERGE_THREADS = 128
+# TX-lane groups splitting a merge row's partial states (merge.cu.j2): B1 L32768 splits each
+# row 32 ways, and one group folding them in sequence waited on two loads per slot.
+_MERGE_SLOT_GROUPS = 4
 # prefill, per head_dim: (KV tile keys, pipeline stages, warps per CTA, 16-row blocks per
 # warp, CTAs per SM for __launch_bounds__). 32 rows per warp make every K/V fragment read from
 # shared memory feed two mmas (16 rows per warp were bound by shared-memory bandwidth, v2 in
@@ -370,7 +373,7 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     >>> launch_config("decode", 128, 4)
     LaunchConfig(block=(16, 4, 2), rows_per_tile=4, smem_bytes=49152, kv_tile=32)
     >>> launch_config("merge", 128, 4)
-    LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=0, kv_tile=0)
+    LaunchConfig(block=(16, 2, 4), rows_per_tile=2, smem_bytes=4160, kv_tile=0)
     >>> launch_config("prefill", 128, 4)
     LaunchConfig(block=(128, 1, 1), rows_per_tile=128, smem_bytes=101376, kv_tile=64)
     >>> launch_config("prefill", 128, 4, arch="sm_90a")
@@ -394,9 +397,11 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
         raise ValueError(f"group_size must be a positive int, got {group_size!r}")
     group_size, head_dim, head_dim_vo = int(group_size), shape.head_dim, shape.head_dim_vo
     size = DTYPES[dtype][1]
-    if kind == "merge":
-        rows = shape.max_threads // shape.tx
-        return LaunchConfig((shape.tx, rows, 1), rows, 0, 0)
+    if kind == "merge":  # rows x slot groups of TX lanes, their states in shared memory
+        groups = shape.max_threads // shape.tx
+        slot_groups = min(_MERGE_SLOT_GROUPS, groups)
+        return LaunchConfig((shape.tx, groups // slot_groups, slot_groups),
+                            groups // slot_groups, groups * (head_dim_vo + 2) * 4, 0)
     if kind in ("prefill", "cascade"):
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         return LaunchConfig((shape.block_threads, 1, 1), rows, shape.smem_bytes, shape.kv_tile)

@@ -323,8 +323,9 @@ def test_distance_table_shape():
 
 
 def test_launch_config_merge_and_errors():
+    # 4 slot groups per merge row, their states (o, m, d) in shared memory
     cfg = config.launch_config("merge", 64, 8, "bfloat16")
-    assert cfg.block == (8, 16, 1) and cfg.rows_per_tile == 16 and cfg.smem_bytes == 0
+    assert cfg.block == (8, 4, 4) and cfg.rows_per_tile == 4 and cfg.smem_bytes == 16 * 66 * 4
     with pytest.raises(ValueError, match="group_size"):
         config.launch_config("decode", 128, 0)
     with pytest.raises(ValueError, match="kernel kind"):

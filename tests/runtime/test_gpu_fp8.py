@@ -258,10 +258,10 @@ def test_fp8_cuda_graph(cp):
         graph = stream.end_capture()
     for lengths, k_s, v_s in (([500, 40, 260, 90], 0.01, 0.05), ([64, 64, 800, 3], 0.04, 0.02)):
         tab = table(lengths)
-        attn.plan(*tab)
-        ks.fill(k_s)
-        vs.fill(v_s)
-        with stream:
+        with stream:  # the plan's copy and the new scales ordered before the replay
+            attn.plan(*tab)
+            ks.fill(k_s)
+            vs.fill(v_s)
             graph.launch()
         stream.synchronize()
         seen_k = from_e4m3(k_bits) * k_s
