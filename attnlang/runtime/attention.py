@@ -12,7 +12,9 @@ The split of work follows FlashInfer's plan/run API:
   `num_prefill_ctas` CTAs and the merge kernel on a fixed grid, on the caller's current
   stream. A plan sends each request to one of the two attention kernels (`plan_mixed`:
   prefill, on tensor cores, when it has more than `prefill_min_rows` fused rows, which with
-  GQA groups of 4 or more includes single-token decode), each with its own work list. A
+  GQA groups of 4 or more includes single-token decode; with an fp8 cache at head dim 128 the
+  decode kernel runs on tensor cores itself and keeps groups up to 8), each with its own
+  work list. A
   kernel that no batch within the construction bounds can reach is never launched.
   All workspace pointers are fixed for the object's lifetime, so a CUDA graph captured
   around run() stays valid after later plan() calls: plan() only rewrites the workspace's
@@ -117,8 +119,9 @@ class BatchAttention:
             out [total_q, num_qo_heads, head_dim_vo]. Default: head_dim.
         kv_dtype: the K/V cache's element type: dtype (default), or "float8_e4m3fn" (alias
             "fp8"; torch.float8_e4m3fn tensors, or uint8 arrays of the bits). An fp8 cache is
-            dequantised in shared memory after each copy, value = e4m3 * scale of its KV
-            head, before any hook sees it: run() then takes k_scale and v_scale, each a
+            dequantised after each copy (in registers by the tensor-core decode kernel, in
+            shared memory elsewhere), value = e4m3 * scale of its KV head, before any hook
+            sees it: run() then takes k_scale and v_scale, each a
             float (one scale for the tensor) or a float32 device array [num_kv_heads], and q,
             out stay in dtype. See the README's "fp8 KV cache".
         cascade: also build the cascade kernel, so plan() can attend a prefix that several
@@ -130,7 +133,10 @@ class BatchAttention:
     rows per work item) or, when it has more than prefill_min_rows fused rows
     (qo_len * group; by default more than 3, so GQA groups of 4 or more decode on tensor
     cores), in the prefill kernel (tensor cores, 128-row tiles); a batch may mix both
-    (`plan_mixed`). Split requests of either kind merge in one merge kernel.
+    (`plan_mixed`). Split requests of either kind merge in one merge kernel. An fp8 cache
+    at head dim 128 whose variant has the softmax on and no key or value hook decodes on
+    tensor cores in the decode kernel (`config.decode_mma`: up to 8 fused rows per work
+    item, prefill_min_rows 8 by default).
 
     Streams: plan() copies on CuPy's current stream; run() launches on the caller's current
     stream (torch's for torch tensors) after waiting for the last plan's copy, and plan()
