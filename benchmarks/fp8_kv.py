@@ -23,7 +23,7 @@ Outputs are checked first against a float32 torch evaluation of the dequantised 
 L2 error).
 
 Run from the repository root on the GPU machine:
-    python3 benchmarks/fp8_kv.py [--out $OUT] [--no-peers] [--only NAME,...]
+    python3 benchmarks/fp8_kv.py [--out $OUT] [--no-peers] [--only NAME,...] [--head-dim 64|128|256]
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ try:
 except ImportError:  # run as `python3 -m benchmarks.fp8_kv`
     from benchmarks import common as C
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
+HQ, HKV, PAGE = 32, 8, 16
+D = 128  # head dim (--head-dim)
 GROUP = HQ // HKV
 DECODE = {"b1_l32768": (1, 32768), "b16_l4096": (16, 4096), "b64_l2048": (64, 2048),
           "b128_l2048": (128, 2048), "b32_l8192": (32, 8192), "mha_b32_l8192": (32, 8192)}
@@ -89,7 +90,11 @@ def reference(torch, q, k, v, lens, kv_indptr, kv_indices, causal: bool):
 def main() -> int:
     p = C.base_parser(__doc__.split("\n\n")[0], budget=420, max_seconds=4,
                       names_help=f"Workloads: {', '.join([*DECODE, *PREFILL])}.")
+    p.add_argument("--head-dim", type=int, default=128, choices=(64, 128, 256),
+                   help="head dim of q, K and V (default 128)")
     args = p.parse_args()
+    global D
+    D = args.head_dim
     torch = C.require_cuda()
     al = C.import_attnlang()
     reps, warmup = C.reps_and_warmup(args)
@@ -230,8 +235,8 @@ def main() -> int:
             ("fi_bf16", "FI bf16 ms"), ("fi_fp8", "FI fp8 ms (err, plain)"),
             ("vs_fi", "al/FI fp8"),
             ("err", "err fp8 / bf16"), ("note", "note")]
-    print(C.format_table(table, cols, title=f"fp8 KV cache (copy {copy_bw / 1e9:.0f} GB/s; "
-                                             "CUDA-graph replay)"))
+    print(C.format_table(table, cols, title=f"fp8 KV cache, head dim {D} (copy "
+                                             f"{copy_bw / 1e9:.0f} GB/s; CUDA-graph replay)"))
     C.write_rows(args.out, "fp8_kv", rows)
     return 0
 

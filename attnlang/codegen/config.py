@@ -16,8 +16,8 @@ decode (kernels_templates/decode.cu.j2), block (TX, R, TZ):
   kernel serves every R and TZ (read from blockDim), so group size is a launch choice.
 
 decode on tensor cores (kernels_templates/decode_mma.cu.j2; `decode_mma` says where): an fp8
-cache at head_dim 128 with the softmax on and no key or value hook. Block (TX, R, TZ) of
-DECODE_MMA_WARPS warps, R <= DECODE_MMA_ROWS (the mma's N); each warp streams its own
+cache at head_dim 64, 128 or 256, softmax on, no key or value hook. Block (TX, R, TZ) of
+4 warps, R <= DECODE_MMA_ROWS (the mma's N); each warp streams its own
 32-key tiles through its own ring, and the rows' layout serves the q and output stages.
 
 merge (kernels_templates/merge.cu.j2), block (TX, ROWS, SZ): SZ TX-lane groups per merge
@@ -142,14 +142,16 @@ _PREFILL_WGMMA_KEY_STAGES = {256: 2}
 _DISTANCE_KEY_STAGES = {128: 2}
 _WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100)
 # The decode kernel of an fp8 cache on tensor cores (decode_mma.cu.j2): 4 warps, each with
-# its own ring of 3 stages of 32 keys (24 KB of e4m3 K and V), 112 KB per CTA with the warps'
-# states: two CTAs per SM, 128 KB of copies in flight per SM. Work items of up to 8 fused rows
-# (the mma's N), so decode steps of GQA groups up to 8 stay in the decode kernel.
+# its own ring of 3 stages of 32 keys (24 KB of e4m3 K and V at head dim 128), 112 KB per
+# CTA with the warps' states: two CTAs per SM, 128 KB of copies in flight per SM (head dim
+# 64: 57 KB, three CTAs; 256: 224 KB, one CTA with as many bytes in flight). Work items of
+# up to 8 fused rows (the mma's N), so decode steps of GQA groups up to 8 stay in the decode
+# kernel.
 DECODE_MMA_ROWS = 8
 _DECODE_MMA_WARPS = 4
 _DECODE_MMA_TILE = 128  # keys per CTA tile: 32 per warp
 _DECODE_MMA_STAGES = 3
-_DECODE_MMA_HEAD_DIMS = ((128, 128),)
+_DECODE_MMA_HEAD_DIMS = ((64, 64), (128, 128), (256, 256))
 
 
 @dataclass(frozen=True)
@@ -276,8 +278,9 @@ def fine_tiles(params) -> bool:
 def decode_mma(head_dim: int, head_dim_vo: int | None, kv_dtype: str | None, *, softmax: bool,
                kv_hooks: bool, pair_masks: bool) -> bool:
     """Does the decode kernel of such a variant run on tensor cores (decode_mma.cu.j2)? For
-    an fp8 cache at head_dim 128 with the softmax on (P in [0, 1] fits f16), no key or value
-    hook (the fragments are converted straight from the cache's bytes) and no per-pair mask.
+    an fp8 cache at head_dim 64, 128 or 256 (one for queries and values) with the softmax on
+    (P in [0, 1] fits f16), no key or value hook (the fragments are converted straight from
+    the cache's bytes) and no per-pair mask.
     Every other variant and cache keeps decode.cu.j2. The renderer, the compiled module and
     its launches all ask here, so they agree.
     ``decode_mma(128, 128, "float8_e4m3fn", softmax=True, kv_hooks=False, pair_masks=False)``
@@ -341,7 +344,7 @@ def template_shape(kind: str, head_dim: int, dtype: str, arch: str | None = None
             raise ValueError(f"no tensor-core {kind} kernel at head dims {head_dim}/{head_dim_vo}")
         return TemplateShape(kind, dtype, ctype, head_dim, head_dim_vo, vec, vec_vo, tx,
                              _DECODE_MMA_TILE, _DECODE_MMA_STAGES, 0, 32 * _DECODE_MMA_WARPS,
-                             2, decode_mma=True)
+                             1 if head_dim == 256 else 2, decode_mma=True)
     # The layout relies on: a key per TX-group at least (R * TZ <= kv_tile) and a softmax
     # chunk per z-group at least (TZ <= kv_tile / chunk) for every block launch_config makes.
     kv_tile = max(_prev_pow2(_TILE_BYTES // ((head_dim + head_dim_vo) * size)),

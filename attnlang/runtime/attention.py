@@ -12,7 +12,7 @@ The split of work follows FlashInfer's plan/run API:
   `num_prefill_ctas` CTAs and the merge kernel on a fixed grid, on the caller's current
   stream. A plan sends each request to one of the two attention kernels (`plan_mixed`:
   prefill, on tensor cores, when it has more than `prefill_min_rows` fused rows, which with
-  GQA groups of 4 or more includes single-token decode; with an fp8 cache at head dim 128 the
+  GQA groups of 4 or more includes single-token decode; with an fp8 cache (head dims 64-256) the
   decode kernel runs on tensor cores itself and keeps groups up to 8), each with its own
   work list. A
   kernel that no batch within the construction bounds can reach is never launched.
@@ -111,7 +111,7 @@ class BatchAttention:
         prefill_min_rows: requests with more fused rows (qo_len x group) than this run in
             the prefill kernel, the others in the decode kernel (default
             `planner.PREFILL_MIN_ROWS`, 3: see there why; 8 where the decode kernel runs on
-            tensor cores, `config.decode_mma`: an fp8 cache at head_dim 128).
+            tensor cores, `config.decode_mma`: an fp8 cache at head_dim 64, 128 or 256).
         device: CUDA device ordinal (default: CuPy's current device).
         head_dim_vo: the values' (and outputs') head dim when it differs from head_dim:
             128 with head_dim 192, MLA's shape without weight absorption (DeepSeek-V2/V3
@@ -134,9 +134,9 @@ class BatchAttention:
     (qo_len * group; by default more than 3, so GQA groups of 4 or more decode on tensor
     cores), in the prefill kernel (tensor cores, 128-row tiles); a batch may mix both
     (`plan_mixed`). Split requests of either kind merge in one merge kernel. An fp8 cache
-    at head dim 128 whose variant has the softmax on and no key or value hook decodes on
-    tensor cores in the decode kernel (`config.decode_mma`: up to 8 fused rows per work
-    item, prefill_min_rows 8 by default).
+    at head dim 64, 128 or 256 whose variant has the softmax on and no key or value hook
+    decodes on tensor cores in the decode kernel (`config.decode_mma`: up to 8 fused rows
+    per work item, prefill_min_rows 8 by default).
 
     Streams: plan() copies on CuPy's current stream; run() launches on the caller's current
     stream (torch's for torch tensors) after waiting for the last plan's copy, and plan()

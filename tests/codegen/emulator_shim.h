@@ -66,6 +66,7 @@ inline __nv_bfloat16 f2b(float x) {
 }
 inline float2 __half22float2(__half2 h) { return {h2f(h.x), h2f(h.y)}; }
 inline __half2 __floats2half2_rn(float a, float b) { return {f2h(a), f2h(b)}; }
+inline __half2 __hmul2(__half2 a, __half2 b) { return {f2h(h2f(a.x) * h2f(b.x)), f2h(h2f(a.y) * h2f(b.y))}; }
 inline float2 __bfloat1622float2(__nv_bfloat162 h) { return {b2f(h.x), b2f(h.y)}; }
 inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) { return {f2b(a), f2b(b)}; }
 

@@ -205,6 +205,27 @@ int main() {
     np.testing.assert_array_equal(got, want)  # NaN where both are NaN
 
 
+def test_fp8_codes_to_half_exactly(workdir):
+    # common.cuh's e4m3x4_to_half2x2 off sm_89 (bit placement, an f16 multiply by 2^8, NaN
+    # patched; the tensor-core decode kernel's conversion): all 256 codes, NaN for S.1111.111.
+    main = r"""
+#include <cstdio>
+int main() {
+  for (unsigned w = 0; w < 256; w += 4) {
+    unsigned lo, hi;
+    e4m3x4_to_half2x2(w | (w + 1) << 8 | (w + 2) << 16 | (w + 3) << 24, lo, hi);
+    for (unsigned x : {lo & 0xffffu, lo >> 16, hi & 0xffffu, hi >> 16}) printf("%u\n", x);
+  }
+}
+"""
+    exe = emulator.compile_cached(emulator.common_program(main), "fp8_half", workdir / "bin",
+                                  (emulator.SHIM,))
+    out = emulator.subprocess.run([str(exe)], capture_output=True, text=True, check=True)
+    got = np.array([int(t) for t in out.stdout.split()], np.uint16).view(np.float16)
+    want = attnlang.fp8.from_e4m3(np.arange(256, dtype=np.uint8))
+    np.testing.assert_array_equal(got.astype(np.float64), want)  # NaN where both are NaN
+
+
 @pytest.mark.parametrize("case", [
     # causal, MHA d128, split + merged (the merge sees only float partials)
     dict(name="causal", head_dim=128, num_heads=4, num_kv_heads=4, kv_chunk_size=40),

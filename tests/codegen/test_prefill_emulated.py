@@ -167,14 +167,20 @@ def test_fp8_cache(case, workdir):
     # pages of one key
     dict(name="examples/longformer.attn", num_heads=2, num_kv_heads=2, qo_lens=(1,),
          kv_lens=(1500,), page_size=1),
-], ids=["causal-gqa4-split", "softcap-fp16-g6", "longformer-mha"])
+    # head dim 64 (8-byte value reads) and 256 (4 chunks of a key per lane), split
+    dict(name="examples/alibi.attn", head_dim=64, num_heads=8, num_kv_heads=2,
+         qo_lens=(1, 1), kv_lens=(200, 65), kv_chunk_size=96),
+    dict(name="examples/causal.attn", head_dim=256, num_heads=4, num_kv_heads=1,
+         qo_lens=(2, 1), kv_lens=(150, 40), page_size=5, kv_chunk_size=64),
+], ids=["causal-gqa4-split", "softcap-fp16-g6", "longformer-mha", "alibi-d64", "causal-d256"])
 def test_fp8_decode_on_tensor_cores(case, workdir):
     # decode_mma.cu.j2: e4m3 fragments converted in registers, keys as the mma's M side,
     # each warp's own ring and softmax state, merged at the item's end
     case = dict(case)
     v = attnlang.load(ROOT / case.pop("name"))
+    case.setdefault("head_dim", 128)
     r = emulator_prefill.run_case(v, workdir / "fp8mma", kv_dtype="float8_e4m3fn", seed=5,
-                                  head_dim=128, **case)
+                                  **case)
     assert r.decode_items > 0 and not r.has_nan, r
     assert r.rel_err <= TOL[case.get("dtype", "bfloat16")], r
     assert r.lse_finite_matches and r.lse_err <= 5e-3, r

@@ -217,15 +217,14 @@ def test_launch_config_decode():
 
 
 def test_decode_on_tensor_cores():
-    # config.decode_mma: an fp8 cache at head dim 128, softmax on, no key or value hook, no
-    # per-pair mask; anything else keeps decode.cu.j2.
+    # config.decode_mma: an fp8 cache at head dim 64, 128 or 256, softmax on, no key or value
+    # hook, no per-pair mask; anything else keeps decode.cu.j2.
     ok = dict(softmax=True, kv_hooks=False, pair_masks=False)
-    assert config.decode_mma(128, None, config.KV_FP8, **ok)
-    assert config.decode_mma(128, 128, config.KV_FP8, **ok)
+    for dims in ((64, None), (128, None), (128, 128), (256, 256)):
+        assert config.decode_mma(*dims, config.KV_FP8, **ok)
     assert not config.decode_mma(128, None, "bfloat16", **ok)
     assert not config.decode_mma(128, None, None, **ok)
-    for dims in ((64, 64), (256, 256), (192, 128)):
-        assert not config.decode_mma(*dims, config.KV_FP8, **ok)
+    assert not config.decode_mma(192, 128, config.KV_FP8, **ok)
     for flag, value in (("softmax", False), ("kv_hooks", True), ("pair_masks", True)):
         assert not config.decode_mma(128, None, config.KV_FP8, **{**ok, flag: value})
     # The renderer asks the same question of the lowered hooks.
@@ -245,8 +244,11 @@ def test_decode_on_tensor_cores():
         assert cfg.kv_tile == 128 and 2 * (cfg.smem_bytes + 1024) <= 228 * 1024
     assert config.launch_config("prefill", 128, 4, decode_mma=True) == config.launch_config(
         "prefill", 128, 4)
-    with pytest.raises(ValueError, match=r"no tensor-core decode kernel at head dims 64/64"):
-        config.template_shape("decode", 64, "bfloat16", decode_mma=True)
+    with pytest.raises(ValueError, match=r"no tensor-core decode kernel at head dims 192/128"):
+        config.template_shape("decode", 192, "bfloat16", head_dim_vo=128, decode_mma=True)
+    for head_dim, per_sm in ((64, 3), (256, 1)):  # CTAs of 4 warps per SM
+        cfg = config.launch_config("decode", head_dim, 4, decode_mma=True)
+        assert cfg.threads == 128 and per_sm * (cfg.smem_bytes + 1024) <= 228 * 1024
 
 
 def test_value_head_dim_shapes():
@@ -385,23 +387,25 @@ def head_dims(head_dim) -> tuple[int, int]:
     return int(qk), int(vo or qk)
 
 
-_MMA_MATRIX = [(v, d, a) for v in ("causal", "t5_bias", "longformer") for d in config.DTYPES
-               for a in ("sm_90a", "sm_80")]
+_MMA_MATRIX = [(v, d, a, hd) for v in ("causal", "t5_bias", "longformer") for d in config.DTYPES
+               for a in ("sm_90a", "sm_80") for hd in config.HEAD_DIMS]
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("variant, dtype, arch", _MMA_MATRIX,
-                         ids=["-".join(m) for m in _MMA_MATRIX])
-def test_decode_on_tensor_cores_compiles_without_spills(variant, dtype, arch):
+@pytest.mark.parametrize("variant, dtype, arch, head_dim", _MMA_MATRIX,
+                         ids=["-".join(map(str, m)) for m in _MMA_MATRIX])
+def test_decode_on_tensor_cores_compiles_without_spills(variant, dtype, arch, head_dim):
     from attnlang.runtime.compiler import compile_source
 
     hooks = lower(attnlang.ir.with_kv_scales(load(by_id(variant))))
-    src = render(hooks, "decode", dtype, 128, arch, None, config.KV_FP8)
+    src = render(hooks, "decode", dtype, head_dim, arch, None, config.KV_FP8)
+    assert "attnlang decode kernel on tensor cores" in src
     cubin = compile_source(src, arch, name=generated_name(hooks, "decode"),
                            label=f"{variant} decode_mma {dtype}")
     (info,) = [f for f in cubin.functions if f.name == "decode"]
     assert info.spill_stores == info.spill_loads == info.stack_bytes == 0, cubin.log
-    assert info.registers <= 65536 // (128 * 2)  # two CTAs of 4 warps per SM
+    shape = config.template_shape("decode", head_dim, dtype, arch, decode_mma=True)
+    assert info.registers <= 65536 // (shape.max_threads * shape.min_blocks)
 
 
 @needs_nvrtc

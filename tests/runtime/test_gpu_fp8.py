@@ -172,6 +172,13 @@ _MMA_CASES = [
     ("streaming_llm", "bfloat16", 4, 16, 1, None),
     ("kitchen_sink", "bfloat16", 8, 16, 1, 200),
 ]
+# ... and at head dims 64 and 256: (variant, dtype, head dim, group, page size, chunk)
+_MMA_DIMS = [
+    ("causal", "bfloat16", 64, 4, 16, None),
+    ("softcap", "float16", 64, 8, 1, 128),
+    ("causal", "float16", 256, 2, 16, 256),
+    ("alibi", "bfloat16", 256, 8, 7, None),
+]
 
 
 @pytest.mark.parametrize("variant_id, dtype, group, page_size, queries, chunk", _MMA_CASES,
@@ -191,6 +198,20 @@ def test_fp8_decode_on_tensor_cores(cp, error_log, variant_id, dtype, group, pag
                    error_log=error_log, where=f"fp8 decode_mma {variant_id} g{group}",
                    kv_chunk_size=chunk)
     if on_tensor_cores:  # every step of at most 8 rows decodes there
+        assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
+
+
+@pytest.mark.parametrize("variant_id, dtype, head_dim, group, page_size, chunk", _MMA_DIMS,
+                         ids=[f"{v}-{SHORT[d]}-d{h}-g{g}-p{p}-c{c}"
+                              for v, d, h, g, p, c in _MMA_DIMS])
+def test_fp8_decode_on_tensor_cores_head_dims(cp, error_log, variant_id, dtype, head_dim, group,
+                                              page_size, chunk):
+    seed = 7200 + _MMA_DIMS.index((variant_id, dtype, head_dim, group, page_size, chunk))
+    plan = run_fp8(cp, variant_id, [1, 2, 1], [900, 2049, 33], num_qo_heads=2 * group,
+                   num_kv_heads=2, head_dim=head_dim, dtype=dtype, page_size=page_size,
+                   seed=seed, error_log=error_log,
+                   where=f"fp8 decode_mma {variant_id} d{head_dim} g{group}", kv_chunk_size=chunk)
+    if 2 * group <= 8:  # every request's rows fit an item: all in the decode kernel
         assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
 
 

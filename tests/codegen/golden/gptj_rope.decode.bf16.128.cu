@@ -69,6 +69,7 @@
 //   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
 //   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
@@ -736,6 +737,31 @@ __device__ __forceinline__ void fp8x4_to_float(const unsigned w, float* x) {
 #endif
 }
 
+// Two e4m3 values placed at bits 15..8 and 31..24 -> f16x2, exactly, without the hardware
+// conversion: sign to bit 15, exponent and mantissa to bits 13..7 make the f16 of the value
+// times 2^-8 (subnormals too), one f16x2 multiply by 2^8 restores it, and S.1111.111 (an
+// e4m3fn NaN, which would read 480) is made a NaN.
+__device__ __forceinline__ unsigned e4m3x2_placed_to_half2(const unsigned placed) {
+  const unsigned bits = (placed & 0x80008000u) | ((placed >> 1) & 0x3f803f80u);
+  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits),
+                                 __floats2half2_rn(256.0f, 256.0f));
+  const unsigned nan = (((placed & 0x7f007f00u) + 0x01000100u) & 0x80008000u) >> 15;
+  return *reinterpret_cast<const unsigned*>(&scaled) | nan * 0x7e00u;
+}
+
+// Four e4m3 values (byte i of w) -> two f16x2, bytes 0, 1 in `lo` and 2, 3 in `hi` (the lower
+// byte in the low half), exactly: every e4m3 value is an f16 value. sm_89+ converts pairs in
+// hardware.
+__device__ __forceinline__ void e4m3x4_to_half2x2(const unsigned w, unsigned& lo, unsigned& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{\n.reg .b16 a, b;\nmov.b32 {a, b}, %2;\ncvt.rn.f16x2.e4m3x2 %0, a;\n"
+      "cvt.rn.f16x2.e4m3x2 %1, b;\n}\n" : "=r"(lo), "=r"(hi) : "r"(w));
+#else
+  lo = e4m3x2_placed_to_half2(__byte_perm(w, 0, 0x1404));  // bytes 0, 1 to bits 15..8, 31..24
+  hi = e4m3x2_placed_to_half2(__byte_perm(w, 0, 0x3424));
+#endif
+}
+
 // Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
 template <typename T>
 __device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
@@ -1137,7 +1163,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1141 "gptj_rope_decode.cu"
+#line 1167 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1159,7 +1185,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1163 "gptj_rope_decode.cu"
+#line 1189 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1170,7 +1196,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 7 "examples/gptj_rope.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1174 "gptj_rope_decode.cu"
+#line 1200 "gptj_rope_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1180,7 +1206,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 7 "examples/gptj_rope.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1184 "gptj_rope_decode.cu"
+#line 1210 "gptj_rope_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
