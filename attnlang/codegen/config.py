@@ -16,8 +16,8 @@ decode (kernels_templates/decode.cu.j2), block (TX, R, TZ):
   kernel serves every R and TZ (read from blockDim), so group size is a launch choice.
 
 decode on tensor cores (kernels_templates/decode_mma.cu.j2; `decode_mma` says where): an fp8
-cache at head_dim 64, 128 or 256, softmax on, no key or value hook. Block (TX, R, TZ) of
-4 warps, R <= DECODE_MMA_ROWS (the mma's N); each warp streams its own
+cache at head_dim 64, 128 or 256, softmax on, no key or value hook. Block (TX, 128 / TX, 1):
+4 warps; items of DECODE_MMA_ROWS fused rows (the mma's N); each warp streams its own
 32-key tiles through its own ring, and the rows' layout serves the q and output stages.
 
 merge (kernels_templates/merge.cu.j2), block (TX, ROWS, SZ): SZ TX-lane groups per merge
@@ -388,11 +388,12 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     queries of every head of the group. arch: the target the kernel was compiled for (it
     picks the prefill path, see `template_shape`). head_dim_vo: the value / output head dim
     (None: head_dim). fine_tiles: the variant has a per-pair mask (see `template_shape`).
-    decode_mma: the decode kernel is the tensor-core one (module-level `decode_mma`): R up to
-    DECODE_MMA_ROWS, the block exactly its warps, kv_tile a CTA's tile of every warp's keys.
+    decode_mma: the decode kernel is the tensor-core one (module-level `decode_mma`): R =
+    DECODE_MMA_ROWS whatever the group, the block exactly its warps (TX-lane row groups for
+    the q and output stages), kv_tile a CTA's tile of every warp's keys.
 
     >>> launch_config("decode", 128, 4, decode_mma=True)
-    LaunchConfig(block=(16, 4, 2), rows_per_tile=4, smem_bytes=114944, kv_tile=128)
+    LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=114944, kv_tile=128)
     """
     shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo, fine_tiles,
                            decode_mma=decode_mma and kind == "decode")
@@ -409,10 +410,9 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         return LaunchConfig((shape.block_threads, 1, 1), rows, shape.smem_bytes, shape.kv_tile)
     if shape.decode_mma:  # the warps' rings of e4m3 bytes, then their states (o, m, d) per row
-        rows = min(_next_pow2(group_size), DECODE_MMA_ROWS)
         states = _DECODE_MMA_WARPS * DECODE_MMA_ROWS * (head_dim_vo + 2) * 4
         smem = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) + states
-        return LaunchConfig((shape.tx, rows, shape.max_threads // (shape.tx * rows)), rows, smem,
+        return LaunchConfig((shape.tx, shape.max_threads // shape.tx, 1), DECODE_MMA_ROWS, smem,
                             shape.kv_tile)
     stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
     rows = min(_next_pow2(group_size), _MAX_ROWS, shape.max_threads // shape.tx)

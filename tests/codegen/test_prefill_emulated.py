@@ -167,11 +167,12 @@ def test_fp8_cache(case, workdir):
     # pages of one key
     dict(name="examples/longformer.attn", num_heads=2, num_kv_heads=2, qo_lens=(1,),
          kv_lens=(1500,), page_size=1),
-    # head dim 64 (8-byte value reads) and 256 (4 chunks of a key per lane), split
+    # head dim 64 (8-byte value reads) and 256 (4 chunks of a key per lane; a group of 8 over
+    # 4 row groups of 32 lanes), split
     dict(name="examples/alibi.attn", head_dim=64, num_heads=8, num_kv_heads=2,
          qo_lens=(1, 1), kv_lens=(200, 65), kv_chunk_size=96),
-    dict(name="examples/causal.attn", head_dim=256, num_heads=4, num_kv_heads=1,
-         qo_lens=(2, 1), kv_lens=(150, 40), page_size=5, kv_chunk_size=64),
+    dict(name="examples/causal.attn", head_dim=256, num_heads=8, num_kv_heads=1,
+         qo_lens=(1, 1), kv_lens=(150, 40), page_size=5, kv_chunk_size=64),
 ], ids=["causal-gqa4-split", "softcap-fp16-g6", "longformer-mha", "alibi-d64", "causal-d256"])
 def test_fp8_decode_on_tensor_cores(case, workdir):
     # decode_mma.cu.j2: e4m3 fragments converted in registers, keys as the mma's M side,

@@ -235,12 +235,11 @@ def test_decode_on_tensor_cores():
         src = render(lower(v), "decode", "bfloat16", 128, "sm_90a", None, config.KV_FP8)
         assert ("attnlang decode kernel on tensor cores" in src) == expect, variant_id
         assert 'extern "C" __global__' in src and "decode(" in src
-    # Its launches: whole warps, up to 8 rows an item, the CTA's tile of every warp's keys,
-    # two CTAs' shared memory per SM.
+    # Its launches: 4 warps as TX-lane row groups, 8 rows an item whatever the group, the
+    # CTA's tile of every warp's keys, two CTAs' shared memory per SM.
     for group in (1, 2, 3, 4, 6, 8, 16, 32):
         cfg = config.launch_config("decode", 128, group, "float16", "sm_90a", decode_mma=True)
-        rows = min(1 << (group - 1).bit_length(), config.DECODE_MMA_ROWS)
-        assert cfg.threads == 128 and cfg.block[:2] == (16, rows) and cfg.rows_per_tile == rows
+        assert cfg.block == (16, 8, 1) and cfg.rows_per_tile == config.DECODE_MMA_ROWS == 8
         assert cfg.kv_tile == 128 and 2 * (cfg.smem_bytes + 1024) <= 228 * 1024
     assert config.launch_config("prefill", 128, 4, decode_mma=True) == config.launch_config(
         "prefill", 128, 4)
@@ -248,7 +247,8 @@ def test_decode_on_tensor_cores():
         config.template_shape("decode", 192, "bfloat16", head_dim_vo=128, decode_mma=True)
     for head_dim, per_sm in ((64, 3), (256, 1)):  # CTAs of 4 warps per SM
         cfg = config.launch_config("decode", head_dim, 4, decode_mma=True)
-        assert cfg.threads == 128 and per_sm * (cfg.smem_bytes + 1024) <= 228 * 1024
+        assert cfg.block == (head_dim // 8, 1024 // head_dim, 1) and cfg.rows_per_tile == 8
+        assert per_sm * (cfg.smem_bytes + 1024) <= 228 * 1024
 
 
 def test_value_head_dim_shapes():
