@@ -2,13 +2,13 @@
 workloads (same inputs, same checks) once per setting of its layout and planner constants.
 
 A setting is a comma-separated list of MODULE.NAME=INT overrides of module constants, with
-MODULE one of config (attnlang.codegen.config), attention (attnlang.runtime.attention) or
+MODULE one of config (attnlang.codegen.config), launches (attnlang.runtime.launches) or
 planner (attnlang.runtime.planner); "-" is the code as it stands. Kernels are recompiled per
 setting (a layout constant changes the rendered source, hence the cache key). Nothing changes
 on disk: a winner goes into the code by hand, its figures into benchmarks/NOTES.md.
 
     python3 benchmarks/decode_knobs.py --set - --set config._STAGES=4 \
-        --set attention._MAX_CTAS_PER_SM=2,planner.MIN_KV_CHUNK=1024 \
+        --set launches.MAX_CTAS_PER_SM=2,planner.MIN_KV_CHUNK=1024 \
         [--only b1_l32768,b16_l4096] [--kv-heads 32] [--out $OUT]
 
 --kv-heads N: N KV heads instead of decode.py's 8 (32 query heads: GQA group 32 / N).
@@ -28,7 +28,7 @@ except ImportError:  # run as `python3 -m benchmarks.decode_knobs`
     from benchmarks import common as C
     from benchmarks import decode as D
 
-MODULES = {"config": "attnlang.codegen.config", "attention": "attnlang.runtime.attention",
+MODULES = {"config": "attnlang.codegen.config", "launches": "attnlang.runtime.launches",
            "planner": "attnlang.runtime.planner"}
 
 

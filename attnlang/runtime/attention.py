@@ -28,7 +28,6 @@ fill_workspace, kernel_args, PackedArgs). They are re-exported here.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -38,7 +37,7 @@ import numpy as np
 from attnlang import ir
 from attnlang.codegen.config import KV_FP8
 from attnlang.runtime import cascade as cascades
-from attnlang.runtime import hostpath, pairmask, planner
+from attnlang.runtime import hostpath, pairmask
 from attnlang.runtime.arrays import (
     TensorInfo,
     current_stream_ptr,
@@ -47,8 +46,9 @@ from attnlang.runtime.arrays import (
     to_device_param,
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
+from attnlang.runtime.launches import load_kernels, merge_grid, pack_launches
 from attnlang.runtime.module import KernelModule
-from attnlang.runtime.plan_mixed import BatchPlan, Tiling, plan_mixed, worst_case_mixed_bounds
+from attnlang.runtime.plan_mixed import BatchPlan, plan_mixed, worst_case_mixed_bounds
 from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
 from attnlang.runtime.validate import (
     AttentionShape,
@@ -75,12 +75,6 @@ __all__ = [
     "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs", "describe_call",
     "CapacityError", "PlanError", "_SECTIONS",
 ]
-
-# CTAs per SM when num_ctas is not given: the kernel's occupancy, capped. Beyond a few CTAs
-# per SM, more CTAs only shrink the KV chunks (more partial states to merge) without adding
-# memory parallelism the warps of each CTA do not already provide.
-_MAX_CTAS_PER_SM = 4
-
 
 # ---------------------------------------------------------------------------- the runtime
 
@@ -203,7 +197,6 @@ class BatchAttention:
 
         import cupy
 
-        from attnlang.codegen.config import DECODE_MMA_ROWS, fine_tiles, launch_config
 
         _require_gpu(cupy)
         self.device = cupy.cuda.Device(device).id if device is None else int(device)
@@ -239,41 +232,15 @@ class BatchAttention:
         self._own_in_cascade = variant is not None and not (
             reads_request(variant.mask) or reads_request(variant.logits))
         s = self.shape
-        arch = self.module.arch  # the prefill kernel's path (and launch) depends on it
-        fine = fine_tiles(self.module.params)  # as render chose them
-        mma = self.module.decode_mma
-        self._decode_cfg, self._prefill_cfg, self._merge_cfg = (
-            launch_config(kind, s.head_dim, s.group_size, s.dtype, arch, s.head_dim_vo, fine,
-                          mma and kind == "decode")
-            for kind in ("decode", "prefill", "merge"))
-        # The tensor-core decode kernel keeps the decode steps of GQA groups up to 8.
-        if prefill_min_rows is None:
-            prefill_min_rows = DECODE_MMA_ROWS if mma else planner.PREFILL_MIN_ROWS
-        self.prefill_min_rows = int(prefill_min_rows)
-        self._decode = self.module.function("decode", self.device,
-                                            dynamic_smem=self._decode_cfg.smem_bytes)
-        self._prefill = self.module.function("prefill", self.device,
-                                             dynamic_smem=self._prefill_cfg.smem_bytes)
-        self._merge = self.module.function("merge", self.device,
-                                           dynamic_smem=self._merge_cfg.smem_bytes)
-        # The cascade kernel is the prefill kernel's shape (launch_config's prefill).
-        self._cascade = (self.module.function("cascade", self.device,
-                                              dynamic_smem=self._prefill_cfg.smem_bytes)
-                         if cascade else None)
-        self.num_ctas = (int(num_ctas) if num_ctas is not None
-                         else self._default_num_ctas(self._decode, self._decode_cfg))
-        if num_prefill_ctas is not None:
-            self.num_prefill_ctas = int(num_prefill_ctas)
-        elif num_ctas is not None:
-            self.num_prefill_ctas = self.num_ctas
-        else:
-            self.num_prefill_ctas = self._default_num_ctas(self._prefill, self._prefill_cfg)
-        self._tilings = {
-            "decode": Tiling(self._decode_cfg.rows_per_tile, self.num_ctas,
-                             max(1, int(self._decode_cfg.kv_tile or 1))),
-            "prefill": Tiling(self._prefill_cfg.rows_per_tile, self.num_prefill_ctas,
-                              max(1, int(self._prefill_cfg.kv_tile or 1))),
-        }
+        # The kernels, their launch configs and grids (the tensor-core decode kernel keeps the
+        # decode steps of GQA groups up to 8: prefill_min_rows).
+        self._kernels = load_kernels(self.module, s, self.device, num_ctas=num_ctas,
+                                     num_prefill_ctas=num_prefill_ctas,
+                                     prefill_min_rows=prefill_min_rows, cascade=cascade)
+        self.num_ctas = self._kernels.num_ctas
+        self.num_prefill_ctas = self._kernels.num_prefill_ctas
+        self.prefill_min_rows = self._kernels.prefill_min_rows
+        self._tilings = self._kernels.tilings
 
         worst = (cascades.worst_case_cascade_bounds if cascade else worst_case_mixed_bounds)(
             max_batch_size=max_batch_size, max_total_q=max_total_q,
@@ -287,9 +254,6 @@ class BatchAttention:
         self.max_kv_indices = int(max_kv_indices)
         self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,
                                         self.num_prefill_ctas, cascade=cascade)
-        # The merge kernel loops over rows, so a grid of a few CTAs per SM covers any count.
-        merge_ctas = -(-self.bounds.max_merge_rows // max(1, self._merge_cfg.rows_per_tile))
-        self._merge_grid = max(1, min(merge_ctas, 8 * self._num_sms()))
         # Per-pair masks (bool[q, kv]): one fixed buffer each, rewritten by every plan(), so
         # run()'s pointer to it never moves (CUDA graphs).
         self.max_pair_mask_bytes = int(max_pair_mask_bytes)
@@ -333,22 +297,8 @@ class BatchAttention:
             "prefill": max_total_q * s.group_size > self.prefill_min_rows,
             "merge": True,
         }
-        # Each kernel's launch as run() hands it to cuLaunchKernel: function, grid, block,
-        # shared memory and its arguments, packed once (run() rewrites pointers and params).
-        # The merge kernel goes last: it reads the others' partial states.
-        self._launches = {}
-        kernels = (("decode", self._decode, self.num_ctas, self._decode_cfg),
-                   ("prefill", self._prefill, self.num_prefill_ctas, self._prefill_cfg),
-                   ("merge", self._merge, self._merge_grid, self._merge_cfg))
-        if cascade:
-            kernels = (("cascade", self._cascade, self.num_prefill_ctas, self._prefill_cfg),
-                       *kernels)
-        for kind, fn, grid, cfg in kernels:
-            packed = PackedArgs(kind, self._ws, num_heads=s.num_qo_heads,
-                                num_kv_heads=s.num_kv_heads, page_size=s.page_size,
-                                num_params=len(self.module.params))
-            self._launches[kind] = (fn.ptr, int(grid), 1, 1, *_block3(cfg.block),
-                                    int(cfg.smem_bytes), packed)
+        self._launches = pack_launches(self._kernels, self._ws, s, len(self.module.params),
+                                       merge_grid(self._kernels, self.bounds.max_merge_rows))
         self._capture_launches = tuple(launch for kind, launch in self._launches.items()
                                        if reachable[kind])
         # plan() picks the launches its plan needs (a kernel with no work is not launched).
@@ -727,22 +677,6 @@ class BatchAttention:
                             tensor_params=tensors, host_params=host, sm_scale=args.sm_scale,
                             arrays=(args.q, args.k_cache, args.v_cache, args.out, args.lse))
 
-    def _num_sms(self) -> int:
-        import cupy
-
-        props = cupy.cuda.runtime.getDeviceProperties(self.device)
-        return int(props["multiProcessorCount"])
-
-    def _default_num_ctas(self, fn, cfg) -> int:
-        import cupy
-        from cupy_backends.cuda.api import driver
-
-        threads = math.prod(cfg.block) if isinstance(cfg.block, (tuple, list)) else cfg.block
-        with cupy.cuda.Device(self.device):
-            per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(
-                fn.ptr, int(threads), int(cfg.smem_bytes))
-        return self._num_sms() * max(1, min(int(per_sm), _MAX_CTAS_PER_SM))
-
 
 def _require_gpu(cupy) -> None:
     """A clear error where CUDA has no device to offer (CUDA's own reads "CUDA driver version
@@ -756,11 +690,6 @@ def _require_gpu(cupy) -> None:
             "attnlang.reference computes the same attention in NumPy") from None
     if count == 0:
         raise RuntimeError("no CUDA GPU found: BatchAttention runs kernels and needs one")
-
-
-def _block3(block) -> tuple[int, int, int]:
-    b = tuple(int(x) for x in block) if isinstance(block, (tuple, list)) else (int(block),)
-    return (b + (1, 1))[:3]
 
 
 # Validated call signatures kept per plan: a model's layers usually share one or two.
