@@ -187,6 +187,34 @@ def test_fp8_decode_on_tensor_cores(case, workdir):
     assert r.lse_finite_matches and r.lse_err <= 5e-3, r
 
 
+# Query and output hooks with row reductions (shuffles over a row's TX lanes), per-head
+# params, logits and a mask, and no key or value hook: the tensor-core decode kernel's q and
+# output stages, whose TX-lane row groups take rows ty, ty + 128 / TX, ...
+_ROW_HOOKS = """variant row_hooks
+param gate: float[heads]
+query  = q * rsqrt(mean(q * q) + 1e-6) * (1.0 + 0.1 * (q_pos % 3))
+output = o * sigmoid(gate[head]) + where(dim % 2 == 0, 0.0, 0.01 * max(o))
+logits = 20.0 * tanh(logits / 20.0)
+mask   = causal and (q_pos - kv_pos) % 5 != 2
+"""
+
+
+@pytest.mark.parametrize("case", [
+    dict(head_dim=128, num_heads=8, num_kv_heads=2, qo_lens=(1, 2, 1), kv_lens=(120, 70, 9),
+         kv_chunk_size=48),
+    dict(head_dim=256, num_heads=16, num_kv_heads=2, qo_lens=(1,), kv_lens=(90,)),
+    dict(head_dim=64, num_heads=3, num_kv_heads=3, qo_lens=(1, 1), kv_lens=(64, 200),
+         page_size=3),
+], ids=["d128-gqa4-split", "d256-g8", "d64-mha"])
+def test_fp8_decode_on_tensor_cores_row_hooks(case, workdir):
+    v = attnlang.parse(_ROW_HOOKS, filename="row_hooks.attn")
+    r = emulator_prefill.run_case(v, workdir / "fp8rows", kv_dtype="float8_e4m3fn", seed=9,
+                                  **case)
+    assert r.decode_items > 0 and r.prefill_items == 0 and not r.has_nan, r
+    assert r.rel_err <= TOL["bfloat16"], r
+    assert r.lse_finite_matches and r.lse_err <= 5e-3, r
+
+
 @pytest.mark.parametrize("case", [
     # Nested levels (requests 0..3 share 12 pages, 0..1 four more), decode steps and a
     # prompt among them, a request of its own; the shared levels split over KV chunks, the
