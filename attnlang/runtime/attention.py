@@ -12,10 +12,10 @@ The split of work follows FlashInfer's plan/run API:
   `num_prefill_ctas` CTAs and the merge kernel on a fixed grid, on the caller's current
   stream. A plan sends each request to one of the two attention kernels (`plan_mixed`:
   prefill, on tensor cores, when it has more than `prefill_min_rows` fused rows, which with
-  GQA groups of 4 or more includes single-token decode; with an fp8 cache (head dims 64-256) the
-  decode kernel runs on tensor cores itself and keeps groups up to 8), each with its own
-  work list. A
-  kernel that no batch within the construction bounds can reach is never launched.
+  GQA groups of 4 or more includes single-token decode; with an fp8 cache (head dims 64-256)
+  the decode kernel runs on tensor cores itself and keeps groups up to 8), each with its own
+  work list. A kernel that no batch within the construction bounds can reach is never
+  launched.
   All workspace pointers are fixed for the object's lifetime, so a CUDA graph captured
   around run() stays valid after later plan() calls: plan() only rewrites the workspace's
   contents.
@@ -196,7 +196,6 @@ class BatchAttention:
             )
 
         import cupy
-
 
         _require_gpu(cupy)
         self.device = cupy.cuda.Device(device).id if device is None else int(device)
