@@ -3,22 +3,26 @@
 Each knob has one small accessor below; nothing else in attnlang reads ``os.environ`` for an
 ``ATTNLANG_*`` name. An unset knob and one set to the empty string mean the same: default.
 
-=========================  ===========================================================
-knob                       meaning (default)
-=========================  ===========================================================
-``ATTNLANG_CACHE_DIR``     where compiled kernels are cached
-                           (``platformdirs.user_cache_dir("attnlang")``)
-``ATTNLANG_CUDA_INCLUDE``  CUDA header directories searched first, ``os.pathsep``-
-                           separated (none; attnlang finds CUDA's headers itself)
-``ATTNLANG_ARCH``          target when no arch is given, e.g. ``sm_90a``; wins over
-                           the current GPU's (the current GPU, else an error)
-``ATTNLANG_QUIET``         any value but ``0``/``false``/``no``/``off`` silences the
-                           "compiling ..." progress lines on stderr (off)
-``ATTNLANG_DUMP_DIR``      write every compiled source, its cubin and ptxas log
-                           there, for debugging (off)
-``ATTNLANG_HOST_PATH``     ``python``: run() never uses its C path (``c``: it does
-                           when a C compiler and Python's headers are there)
-=========================  ===========================================================
+==============================  ===========================================================
+knob                            meaning (default)
+==============================  ===========================================================
+``ATTNLANG_CACHE_DIR``          where compiled kernels are cached
+                                (``platformdirs.user_cache_dir("attnlang")``)
+``ATTNLANG_CUDA_INCLUDE``       CUDA header directories searched first, ``os.pathsep``-
+                                separated (none; attnlang finds CUDA's headers itself)
+``ATTNLANG_ARCH``               target when no arch is given, e.g. ``sm_90a``; wins over
+                                the current GPU's (the current GPU, else an error)
+``ATTNLANG_QUIET``              any value but ``0``/``false``/``no``/``off`` silences the
+                                "compiling ..." progress lines on stderr (off)
+``ATTNLANG_DUMP_DIR``           write every compiled source, its cubin and ptxas log
+                                there, for debugging (off)
+``ATTNLANG_HOST_PATH``          ``python``: run() never uses its C path (``c``: it does
+                                when a C compiler and Python's headers are there)
+``ATTNLANG_DEPENDENT_LAUNCH``   ``0``/``false``/``no``/``off``: the merge kernel waits for
+                                the attention kernels to finish before it launches (on:
+                                on sm_90+ it starts beside them, programmatic dependent
+                                launch; read when a BatchAttention is made)
+==============================  ===========================================================
 
 attnlang also reads two standard CUDA variables, ``CUDA_PATH`` and ``CUDA_HOME``, as places
 to look for CUDA's headers (`attnlang.runtime.compiler.cuda_include_dirs`).
@@ -29,7 +33,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cache_dir", "cuda_include", "arch", "quiet", "dump_dir", "host_path"]
+__all__ = ["cache_dir", "cuda_include", "arch", "quiet", "dump_dir", "host_path",
+           "dependent_launch"]
 
 _FALSE = {"0", "false", "no", "off"}
 
@@ -92,3 +97,10 @@ def host_path() -> str:
     if value not in ("c", "python"):
         raise ValueError(f"ATTNLANG_HOST_PATH must be 'c' or 'python', got {value!r}")
     return value
+
+
+def dependent_launch() -> bool:
+    """``ATTNLANG_DEPENDENT_LAUNCH``: False when set to ``0``/``false``/``no``/``off``, else
+    True (the default): the merge kernel is a programmatic dependent launch on sm_90+."""
+    value = _get("ATTNLANG_DEPENDENT_LAUNCH")
+    return value is None or value.lower() not in _FALSE

@@ -760,6 +760,26 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 #endif
 }
 
+// ---------------------------------------------------------------------------- dependent launch
+//
+// Programmatic dependent launch (sm_90+; no-ops before): the merge kernel is launched with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (attnlang.runtime.launches), so its
+// CTAs may start while the attention kernel before it still runs, once every CTA of that
+// kernel has called launch_dependents. They read what the plan alone decides (its arrays were
+// copied before either kernel) and then wait_for_prerequisites: it returns once the kernel
+// before has completed and its writes are visible. A kernel launched without the attribute
+// returns from the wait at once (its predecessors are complete).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------- fast divmod
 
 // n / d and n % d for 0 <= n < 2^31 and a run-time 1 <= d < 2^31 (Granlund-Montgomery):

@@ -16,3 +16,15 @@ PORT_IDS = ("flamingo_xattn", "gelu_attention", "longformer", "mla", "natten_til
             "swin_bias", "t5_bias")
 CPU_HEAVY_FILES = [p for p in VARIANT_FILES if p.stem not in PORT_IDS]
 CPU_HEAVY_IDS = [p.stem for p in CPU_HEAVY_FILES]
+
+# A test-only variant kept out of the zoo (its emulated and GPU cases are enough): query and
+# output hooks with row reductions (shuffles over a row's TX lanes), per-head params, logits
+# and a mask, and no key or value hook, so a decode step of an fp8 cache takes the tensor-core
+# kernel (decode_mma.cu.j2) through its q and output stages.
+ROW_HOOKS = """variant row_hooks
+param gate: float[heads]
+query  = q * rsqrt(mean(q * q) + 1e-6) * (1.0 + 0.1 * (q_pos % 3))
+output = o * sigmoid(gate[head]) + where(dim % 2 == 0, 0.0, 0.01 * max(o))
+logits = 20.0 * tanh(logits / 20.0)
+mask   = causal and (q_pos - kv_pos) % 5 != 2
+"""

@@ -46,7 +46,7 @@ from attnlang.runtime.arrays import (
     to_device_param,
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
-from attnlang.runtime.launches import load_kernels, merge_grid, pack_launches
+from attnlang.runtime.launches import launch, load_kernels, merge_grid, pack_launches
 from attnlang.runtime.module import KernelModule
 from attnlang.runtime.plan_mixed import BatchPlan, plan_mixed, worst_case_mixed_bounds
 from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
@@ -298,7 +298,7 @@ class BatchAttention:
         }
         self._launches = pack_launches(self._kernels, self._ws, s, len(self.module.params),
                                        merge_grid(self._kernels, self.bounds.max_merge_rows))
-        self._capture_launches = tuple(launch for kind, launch in self._launches.items()
+        self._capture_launches = tuple(one for kind, one in self._launches.items()
                                        if reachable[kind])
         # plan() picks the launches its plan needs (a kernel with no work is not launched).
         self._plan_launches: tuple = ()
@@ -409,7 +409,7 @@ class BatchAttention:
         needed = {"decode": plan.decode.num_work_items, "prefill": plan.prefill.num_work_items,
                   "merge": plan.merge_count,
                   "cascade": plan.cascade.num_work_items if plan.cascade is not None else 0}
-        self._plan_launches = tuple(launch for kind, launch in self._launches.items()
+        self._plan_launches = tuple(one for kind, one in self._launches.items()
                                     if needed[kind] > 0)
         self._copied = True
         self._plan, self._inputs = plan, inputs
@@ -509,11 +509,9 @@ class BatchAttention:
             call = (q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, checked.sm_scale, values)
             # The plan's launches; under capture every kernel a later plan() may use (fixed
             # grids, fixed workspace).
-            launch_kernel = self._driver.launchKernel
-            for fn, gx, gy, gz, bx, by, bz, smem, packed in (
-                    self._capture_launches if capturing else self._plan_launches):
-                packed.update(*call)
-                launch_kernel(fn, gx, gy, gz, bx, by, bz, smem, stream, packed.kernel_params, 0)
+            for one in self._capture_launches if capturing else self._plan_launches:
+                one.args.update(*call)
+                launch(self._driver, one, stream)
             del uploaded
             if not capturing:
                 # plan() must not rewrite the workspace before these launches have read it:

@@ -36,6 +36,23 @@ typedef int (*IsCapturingFn)(void *stream, int *status);
 typedef int (*CtxGetCurrentFn)(void **ctx);
 typedef int (*EventRecordFn)(void *event, void *stream);
 typedef int (*GetErrorNameFn)(int error, const char **name);
+/* cuLaunchKernelEx's config with one attribute: CUlaunchConfig and CUlaunchAttribute as
+ * cuda.h lays them out (the attribute's value a 64-byte union, 8-byte aligned). */
+typedef struct {
+    int id;
+    char pad[4];
+    union { char bytes[64]; int value; void *align; } value;
+} LaunchAttribute;
+typedef struct {
+    unsigned grid[3], block[3], smem;
+    void *stream;
+    LaunchAttribute *attrs;
+    unsigned num_attrs;
+} LaunchConfig;
+typedef int (*LaunchExFn)(const LaunchConfig *config, void *f, void **params, void **extra);
+/* CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION: the kernel may start before the one
+ * before it in the stream has completed (it waits for it with griddepcontrol.wait). */
+enum { ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
 
 enum { ARRAY_TORCH = 0, ARRAY_CUPY = 1 };
 enum { Q, K, V, OUT, NUM_ARRAYS };
@@ -79,6 +96,7 @@ typedef struct {
     int slot[NUM_ARRAYS];   /* the u64 slot of q, k_cache, v_cache, out; -1 if not an arg */
     uint64_t *values;       /* the packed arguments, one 8-byte slot each */
     void **params;          /* params[i] = &values[i]: what cuLaunchKernel reads */
+    int dependent;          /* a programmatic dependent launch (cuLaunchKernelEx) */
 } Launch;
 
 typedef struct {
@@ -95,6 +113,7 @@ typedef struct {
     PyObject *waited;       /* set of stream handles already ordered after plan()'s copy */
     uintptr_t context, copy_stream, run_done;
     LaunchFn launch;
+    LaunchExFn launch_ex;   /* NULL where the driver has none: no dependent launches */
     IsCapturingFn is_capturing;
     CtxGetCurrentFn ctx_get_current;
     EventRecordFn event_record;
@@ -310,12 +329,22 @@ static PyObject *FastRun_call(FastRun *self, PyObject *args, PyObject *kwargs) {
         for (int a = 0; a < NUM_ARRAYS; a++)
             if (l->slot[a] >= 0) l->values[l->slot[a]] = ptr[a];
         /* The driver copies the values at launch: the next call may rewrite them. */
-        status = self->launch(l->fn, l->grid[0], l->grid[1], l->grid[2], l->block[0],
-                              l->block[1], l->block[2], l->smem, (void *)stream, l->params,
-                              NULL);
+        if (l->dependent) {
+            LaunchAttribute attr = {ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, {0}, {{0}}};
+            attr.value.value = 1;
+            LaunchConfig config = {{l->grid[0], l->grid[1], l->grid[2]},
+                                   {l->block[0], l->block[1], l->block[2]}, l->smem,
+                                   (void *)stream, &attr, 1};
+            status = self->launch_ex(&config, l->fn, l->params, NULL);
+        } else {
+            status = self->launch(l->fn, l->grid[0], l->grid[1], l->grid[2], l->block[0],
+                                  l->block[1], l->block[2], l->smem, (void *)stream, l->params,
+                                  NULL);
+        }
         if (status != 0) {
             Py_DECREF(result);
-            return driver_error(self, "cuLaunchKernel", status);
+            return driver_error(self, l->dependent ? "cuLaunchKernelEx" : "cuLaunchKernel",
+                                status);
         }
     }
     if (stream == self->copy_stream) {
@@ -336,9 +365,10 @@ static PyObject *FastRun_call(FastRun *self, PyObject *args, PyObject *kwargs) {
  *         waited, context, copy_stream, run_done, driver)
  * dlpack_api: the arrays' type's __dlpack_c_exchange_api__ capsule, or None;
  * arrays: the validated call's q, k_cache, v_cache, out (None: allocate one per call);
- * launches: (fn, grid3, block3, smem, slots4, packed bytes) each;
+ * launches: (fn, grid3, block3, smem, slots4, packed bytes, dependent) each;
  * driver: addresses of cuLaunchKernel, cuStreamIsCapturing, cuCtxGetCurrent,
- * cuEventRecord, cuGetErrorName (0: no names in errors). */
+ * cuEventRecord, cuGetErrorName (0: no names in errors), cuLaunchKernelEx (0: none; then
+ * no launch may be dependent). */
 static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
     PyObject *api, *arrays, *launches, *driver;
     unsigned long long context, copy_stream, run_done;
@@ -360,8 +390,8 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
     Py_INCREF(self->stream_fn);
     Py_INCREF(self->empty_like);
     Py_INCREF(self->waited);
-    if (PyTuple_GET_SIZE(arrays) != NUM_ARRAYS || PyTuple_GET_SIZE(driver) != 5) {
-        PyErr_SetString(PyExc_ValueError, "FastRun: 4 arrays and 5 driver entry points");
+    if (PyTuple_GET_SIZE(arrays) != NUM_ARRAYS || PyTuple_GET_SIZE(driver) != 6) {
+        PyErr_SetString(PyExc_ValueError, "FastRun: 4 arrays and 6 driver entry points");
         return -1;
     }
     if (api != Py_None) {
@@ -387,8 +417,8 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
     self->context = (uintptr_t)context;
     self->copy_stream = (uintptr_t)copy_stream;
     self->run_done = (uintptr_t)run_done;
-    uintptr_t fns[5];
-    for (int i = 0; i < 5; i++) {
+    uintptr_t fns[6];
+    for (int i = 0; i < 6; i++) {
         fns[i] = (uintptr_t)PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(driver, i));
         if (PyErr_Occurred()) return -1;
     }
@@ -401,6 +431,7 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
     self->ctx_get_current = (CtxGetCurrentFn)fns[2];
     self->event_record = (EventRecordFn)fns[3];
     self->get_error_name = (GetErrorNameFn)fns[4];
+    self->launch_ex = (LaunchExFn)fns[5];
 
     Py_ssize_t n = PyTuple_GET_SIZE(launches);
     self->launches = PyMem_Calloc(n ? n : 1, sizeof(Launch));
@@ -409,11 +440,16 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
         Launch *l = &self->launches[self->num_launches];
         unsigned long long fn;
         Py_buffer packed;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)(III)I(iiii)y*", &fn,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)(III)I(iiii)y*p", &fn,
                               &l->grid[0], &l->grid[1], &l->grid[2], &l->block[0],
                               &l->block[1], &l->block[2], &l->smem, &l->slot[Q], &l->slot[K],
-                              &l->slot[V], &l->slot[OUT], &packed))
+                              &l->slot[V], &l->slot[OUT], &packed, &l->dependent))
             return -1;
+        if (l->dependent && self->launch_ex == NULL) {
+            PyBuffer_Release(&packed);
+            PyErr_SetString(PyExc_ValueError, "FastRun: a dependent launch needs cuLaunchKernelEx");
+            return -1;
+        }
         Py_ssize_t slots = packed.len / 8;
         int bad = packed.len % 8 != 0 || slots == 0;
         for (int a = 0; a < NUM_ARRAYS; a++) bad |= l->slot[a] >= slots;

@@ -33,9 +33,10 @@ from types import ModuleType
 from .. import env
 
 SOURCE = Path(__file__).with_name("hostpath.c")
-# The driver entry points FastRun calls, in its order (cuGetErrorName only names errors).
+# The driver entry points FastRun calls, in its order (cuGetErrorName only names errors;
+# cuLaunchKernelEx, CUDA 11.8+, only the merge kernel's dependent launch).
 DRIVER_FUNCTIONS = ("cuLaunchKernel", "cuStreamIsCapturing", "cuCtxGetCurrent",
-                    "cuEventRecord", "cuGetErrorName")
+                    "cuEventRecord", "cuGetErrorName", "cuLaunchKernelEx")
 
 _lock = threading.Lock()
 _loaded: dict[str, ModuleType | None] = {}
@@ -112,7 +113,8 @@ def _import(path: Path) -> ModuleType:
 
 
 @functools.cache
-def _libcuda() -> ctypes.CDLL:
+def libcuda() -> ctypes.CDLL:
+    """The CUDA driver library (the one CuPy loaded)."""
     try:
         return ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -121,16 +123,16 @@ def _libcuda() -> ctypes.CDLL:
 
 @functools.cache
 def driver_entry_points() -> tuple[int, ...]:
-    """The addresses of DRIVER_FUNCTIONS in the CUDA driver library (the one CuPy loaded)."""
-    lib = _libcuda()
+    """The addresses of DRIVER_FUNCTIONS in the CUDA driver library (0: not in this driver)."""
+    lib = libcuda()
     return tuple(ctypes.cast(getattr(lib, name), ctypes.c_void_p).value or 0
-                 for name in DRIVER_FUNCTIONS)
+                 if hasattr(lib, name) else 0 for name in DRIVER_FUNCTIONS)
 
 
 def current_context() -> int:
     """The calling thread's current CUDA context (0 if none): FastRun launches only while
     it is the one run() validated the call under."""
-    get = _libcuda().cuCtxGetCurrent
+    get = libcuda().cuCtxGetCurrent
     context = ctypes.c_void_p()
     if get(ctypes.byref(context)) != 0:
         return 0
@@ -147,8 +149,7 @@ def fast_run(module: ModuleType, *, arrays, params, sm_scale, launches, device: 
 
     arrays: the call's q, k_cache, v_cache, out (None when run() allocated it); params: None
     or ((name, type, value), ...) of the scalar params; launches: the plan's
-    (fn, gx, gy, gz, bx, by, bz, smem, PackedArgs), packed for this call; head_dim_vo: the
-    output's head dim (None: q's).
+    `launches.Launch`es, packed for this call; head_dim_vo: the output's head dim (None: q's).
     """
     kinds = {_array_kind(x) for x in arrays if x is not None}
     if len(kinds) != 1 or None in kinds:
@@ -177,8 +178,8 @@ def fast_run(module: ModuleType, *, arrays, params, sm_scale, launches, device: 
     context = current_context()
     if not context:
         return None
-    packed = tuple((fn, (gx, gy, gz), (bx, by, bz), smem, *args.snapshot())
-                   for fn, gx, gy, gz, bx, by, bz, smem, args in launches)
+    packed = tuple((launch.fn, launch.grid, launch.block, launch.smem, *launch.args.snapshot(),
+                    launch.dependent) for launch in launches)
     return module.FastRun(kind, api, tuple(arrays), params, sm_scale, packed, stream_fn,
                           empty_like, waited, context, copy_stream, run_done,
                           driver_entry_points())

@@ -1,5 +1,5 @@
 """The kernels one BatchAttention launches: their launch configs, the loaded functions, the
-grids, and each launch as run() hands it to cuLaunchKernel.
+grids, and each launch as run() hands it to the driver (`Launch`, `launch`).
 
 `load_kernels` runs once a BatchAttention has its compiled module; `pack_launches` once its
 workspace exists. Both need a GPU (they load cubins and ask the driver for occupancy); what
@@ -8,18 +8,23 @@ they are built from (`config.launch_config`, `workspace.PackedArgs`) is tested w
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import re
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
+from attnlang import env
 from attnlang.codegen.config import DECODE_MMA_ROWS, LaunchConfig, fine_tiles, launch_config
-from attnlang.runtime import planner
+from attnlang.runtime import hostpath, planner
 from attnlang.runtime.module import KernelModule
 from attnlang.runtime.plan_mixed import Tiling
 from attnlang.runtime.validate import AttentionShape
 from attnlang.runtime.workspace import PackedArgs
 
-__all__ = ["Kernels", "load_kernels", "merge_grid", "pack_launches"]
+__all__ = ["Kernels", "Launch", "launch", "load_kernels", "merge_grid", "pack_launches",
+           "dependent_launch"]
 
 # CTAs per SM when num_ctas is not given: the kernel's occupancy, capped. Beyond a few CTAs
 # per SM, more CTAs only shrink the KV chunks (more partial states to merge) without adding
@@ -29,6 +34,21 @@ MAX_CTAS_PER_SM = 4
 _MERGE_CTAS_PER_SM = 8
 
 
+class Launch(NamedTuple):
+    """One kernel launch of run(): the function, grid, block, dynamic shared memory, the
+    packed arguments (run() rewrites their pointers and params per call) and whether it is a
+    programmatic dependent launch (`dependent_launch`; then `ex_config` is cuLaunchKernelEx's
+    config for it but the stream, which each launch copies)."""
+
+    fn: int
+    grid: tuple[int, int, int]
+    block: tuple[int, int, int]
+    smem: int
+    args: PackedArgs
+    dependent: bool = False
+    ex_config: _LaunchConfig | None = None
+
+
 @dataclass(frozen=True)
 class Kernels:
     """A module's kernels on one device: configs and functions by kind ("decode", "prefill",
@@ -36,6 +56,7 @@ class Kernels:
     attention grids, and the rows above which a request runs in the prefill kernel."""
 
     device: int
+    arch: str
     configs: dict[str, LaunchConfig]
     functions: dict[str, Any]
     num_ctas: int
@@ -77,8 +98,8 @@ def load_kernels(module: KernelModule, shape: AttentionShape, device: int, *,
         num_prefill_ctas = num_ctas
     if prefill_min_rows is None:
         prefill_min_rows = DECODE_MMA_ROWS if mma else planner.PREFILL_MIN_ROWS
-    return Kernels(device, configs, functions, int(num_ctas), int(num_prefill_ctas),
-                   int(prefill_min_rows))
+    return Kernels(device, module.arch, configs, functions, int(num_ctas),
+                   int(num_prefill_ctas), int(prefill_min_rows))
 
 
 def merge_grid(kernels: Kernels, max_merge_rows: int) -> int:
@@ -87,14 +108,23 @@ def merge_grid(kernels: Kernels, max_merge_rows: int) -> int:
     return max(1, min(ctas, _MERGE_CTAS_PER_SM * num_sms(kernels.device)))
 
 
+def dependent_launch(arch: str) -> bool:
+    """Is the merge kernel of a module built for `arch` launched as a programmatic dependent
+    of the attention kernel before it? On sm_90+ (where its `griddepcontrol.wait` is
+    compiled in: common.cuh's dependent launch), unless ATTNLANG_DEPENDENT_LAUNCH is off.
+    ``dependent_launch("sm_90a")`` -> True, ``dependent_launch("sm_80")`` -> False."""
+    m = re.fullmatch(r"sm_(\d+)[af]?", arch)
+    return m is not None and int(m.group(1)) >= 90 and env.dependent_launch()
+
+
 def pack_launches(kernels: Kernels, workspace: dict[str, int], shape: AttentionShape,
-                  num_params: int, merge_ctas: int) -> dict[str, tuple]:
-    """Each kernel's launch as run() hands it to cuLaunchKernel: function, grid, block, shared
-    memory and its arguments, packed once (run() rewrites pointers and params). In launch
-    order: the cascade kernel first, the merge kernel last (it reads the others' partial
-    states)."""
+                  num_params: int, merge_ctas: int) -> dict[str, Launch]:
+    """Each kernel's `Launch`, its arguments packed once (run() rewrites pointers and
+    params). In launch order: the cascade kernel first, the merge kernel last (it reads the
+    others' partial states; a dependent launch where `dependent_launch` says so)."""
     grids = {"cascade": kernels.num_prefill_ctas, "decode": kernels.num_ctas,
              "prefill": kernels.num_prefill_ctas, "merge": merge_ctas}
+    dependent = dependent_launch(kernels.arch)
     launches = {}
     for kind in ("cascade", "decode", "prefill", "merge"):
         if kind not in kernels.functions:
@@ -103,9 +133,68 @@ def pack_launches(kernels: Kernels, workspace: dict[str, int], shape: AttentionS
         packed = PackedArgs(kind, workspace, num_heads=shape.num_qo_heads,
                             num_kv_heads=shape.num_kv_heads, page_size=shape.page_size,
                             num_params=num_params)
-        launches[kind] = (kernels.functions[kind].ptr, int(grids[kind]), 1, 1,
-                          *_block3(cfg.block), int(cfg.smem_bytes), packed)
+        grid, block, smem = (int(grids[kind]), 1, 1), _block3(cfg.block), int(cfg.smem_bytes)
+        launches[kind] = Launch(kernels.functions[kind].ptr, grid, block, smem, packed)
+        if dependent and kind == "merge":
+            launches[kind] = launches[kind]._replace(
+                dependent=True, ex_config=_dependent_config(grid, block, smem))
     return launches
+
+
+def launch(driver, one: Launch, stream: int) -> None:
+    """Enqueue `one` on `stream` (cuLaunchKernel through CuPy's `driver`, or
+    cuLaunchKernelEx with programmatic stream serialization for a dependent launch)."""
+    if not one.dependent:
+        driver.launchKernel(one.fn, *one.grid, *one.block, one.smem, stream,
+                            one.args.kernel_params, 0)
+        return
+    # A copy per launch: the foreign call releases the GIL, so another thread's run() must
+    # not rewrite the stream of a config the driver is reading.
+    config = _LaunchConfig.from_buffer_copy(one.ex_config)
+    config.stream = stream
+    status = _launch_kernel_ex()(ctypes.byref(config), one.fn, one.args.kernel_params, None)
+    if status != 0:
+        name = ctypes.c_char_p()
+        hostpath.libcuda().cuGetErrorName(status, ctypes.byref(name))
+        raise RuntimeError(f"cuLaunchKernelEx failed: "
+                           f"{(name.value or b'error').decode()} ({status})")
+
+
+# cuLaunchKernelEx's config with one attribute, as cuda.h lays it out (hostpath.c's too).
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+class _AttributeValue(ctypes.Union):
+    _fields_ = [("bytes", ctypes.c_char * 64), ("flag", ctypes.c_int), ("align", ctypes.c_void_p)]
+
+
+class _LaunchAttribute(ctypes.Structure):
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", _AttributeValue)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint),
+                ("block_z", ctypes.c_uint), ("smem", ctypes.c_uint),
+                ("stream", ctypes.c_void_p), ("attrs", ctypes.POINTER(_LaunchAttribute)),
+                ("num_attrs", ctypes.c_uint)]
+
+
+def _dependent_config(grid, block, smem: int) -> _LaunchConfig:
+    """cuLaunchKernelEx's config of a dependent launch, stream 0; its attribute is kept
+    alive by the config (ctypes holds what a pointer field points to)."""
+    attribute = _LaunchAttribute(_PROGRAMMATIC_STREAM_SERIALIZATION)
+    attribute.value.flag = 1
+    return _LaunchConfig(*grid, *block, smem, None, ctypes.pointer(attribute), 1)
+
+
+@functools.cache
+def _launch_kernel_ex():
+    fn = hostpath.libcuda().cuLaunchKernelEx
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.POINTER(_LaunchConfig), ctypes.c_void_p, ctypes.c_void_p,
+                   ctypes.c_void_p]
+    return fn
 
 
 def num_sms(device: int) -> int:

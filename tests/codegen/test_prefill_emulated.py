@@ -13,7 +13,7 @@ import pytest
 
 import attnlang
 from tests.codegen import emulator_prefill
-from tests.variant_files import ROOT
+from tests.variant_files import ROOT, ROW_HOOKS
 
 _PROBLEM = emulator_prefill.available()
 pytestmark = pytest.mark.skipif(_PROBLEM is not None, reason=f"emulator: {_PROBLEM}")
@@ -187,16 +187,9 @@ def test_fp8_decode_on_tensor_cores(case, workdir):
     assert r.lse_finite_matches and r.lse_err <= 5e-3, r
 
 
-# Query and output hooks with row reductions (shuffles over a row's TX lanes), per-head
-# params, logits and a mask, and no key or value hook: the tensor-core decode kernel's q and
-# output stages, whose TX-lane row groups take rows ty, ty + 128 / TX, ...
-_ROW_HOOKS = """variant row_hooks
-param gate: float[heads]
-query  = q * rsqrt(mean(q * q) + 1e-6) * (1.0 + 0.1 * (q_pos % 3))
-output = o * sigmoid(gate[head]) + where(dim % 2 == 0, 0.0, 0.01 * max(o))
-logits = 20.0 * tanh(logits / 20.0)
-mask   = causal and (q_pos - kv_pos) % 5 != 2
-"""
+# Query and output hooks with row reductions and no key or value hook (variant_files.ROW_HOOKS):
+# the tensor-core decode kernel's q and output stages, whose TX-lane row groups take rows ty,
+# ty + 128 / TX, ...
 
 
 @pytest.mark.parametrize("case", [
@@ -207,7 +200,7 @@ mask   = causal and (q_pos - kv_pos) % 5 != 2
          page_size=3),
 ], ids=["d128-gqa4-split", "d256-g8", "d64-mha"])
 def test_fp8_decode_on_tensor_cores_row_hooks(case, workdir):
-    v = attnlang.parse(_ROW_HOOKS, filename="row_hooks.attn")
+    v = attnlang.parse(ROW_HOOKS, filename="row_hooks.attn")
     r = emulator_prefill.run_case(v, workdir / "fp8rows", kv_dtype="float8_e4m3fn", seed=9,
                                   **case)
     assert r.decode_items > 0 and r.prefill_items == 0 and not r.has_nan, r

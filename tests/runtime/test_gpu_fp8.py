@@ -35,6 +35,7 @@ from tests.runtime.test_gpu_attention import (
     split_params,
     to_device,
 )
+from tests.variant_files import ROW_HOOKS
 
 pytestmark = pytest.mark.gpu
 
@@ -55,7 +56,8 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
             seed, error_log, where, scales="tensor", arrays="cupy", kv_chunk_size=None,
             head_dim_vo=None, expect=None):
     rng = np.random.default_rng(seed)
-    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    variant = (attnlang.load(VARIANT_PATHS[variant_id]) if isinstance(variant_id, str)
+               else variant_id)  # a parsed variant
     qo, kv = np.asarray(qo), np.asarray(kv)
     batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                        head_dim_vo)
@@ -212,6 +214,25 @@ def test_fp8_decode_on_tensor_cores_head_dims(cp, error_log, variant_id, dtype, 
                    seed=seed, error_log=error_log,
                    where=f"fp8 decode_mma {variant_id} d{head_dim} g{group}", kv_chunk_size=chunk)
     if 2 * group <= 8:  # every request's rows fit an item: all in the decode kernel
+        assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
+
+
+# The tensor-core decode kernel's q and output stages (TX-lane row groups of 128 / TX rows,
+# shuffles over a row's lanes): query and output hooks with row reductions, no key hook
+# (variant_files.ROW_HOOKS), at every head dim: (head dim, group, page size, chunk).
+_ROW_HOOK_CASES = [(128, 4, 16, 48), (256, 8, 16, None), (64, 1, 3, None), (128, 8, 5, 64)]
+
+
+@pytest.mark.parametrize("head_dim, group, page_size, chunk", _ROW_HOOK_CASES,
+                         ids=[f"d{h}-g{g}-p{p}-c{c}" for h, g, p, c in _ROW_HOOK_CASES])
+def test_fp8_decode_on_tensor_cores_row_hooks(cp, error_log, head_dim, group, page_size, chunk):
+    variant = attnlang.parse(ROW_HOOKS, filename="row_hooks.attn")
+    seed = 7300 + _ROW_HOOK_CASES.index((head_dim, group, page_size, chunk))
+    plan = run_fp8(cp, variant, [1, 2, 1], [1200, 70, 9], num_qo_heads=2 * group,
+                   num_kv_heads=2, head_dim=head_dim, dtype="bfloat16", page_size=page_size,
+                   seed=seed, error_log=error_log,
+                   where=f"fp8 decode_mma row hooks d{head_dim} g{group}", kv_chunk_size=chunk)
+    if 2 * group <= 8:  # every request's rows fit an item: all in the tensor-core kernel
         assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
 
 

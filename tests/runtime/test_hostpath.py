@@ -29,8 +29,23 @@ _RECORD = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p)
 _NAME = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
 
 
+class _Attribute(ctypes.Structure):  # CUlaunchAttribute: id, 4 bytes of padding, a 64-byte union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("rest", ctypes.c_char * 60)]
+
+
+class _Config(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("dims", ctypes.c_uint * 6), ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_Attribute)), ("num_attrs", ctypes.c_uint)]
+
+
+_LAUNCH_EX = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(_Config), ctypes.c_void_p,
+                              ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p)
+
+
 class FakeDriver:
-    """The five driver entry points, recording what FastRun asks of them."""
+    """The six driver entry points, recording what FastRun asks of them (a launch through
+    cuLaunchKernelEx with its attributes as (id, value) pairs after the launch's fields)."""
 
     def __init__(self):
         self.launches, self.records = [], []
@@ -40,6 +55,15 @@ class FakeDriver:
             values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint64))[0]
                       for i in range(SLOTS)]
             self.launches.append((f, (gx, gy, gz), (bx, by, bz), smem, stream or 0, values))
+            return self.launch_status
+
+        def launch_ex(config, f, params, extra):
+            c = config[0]
+            values = [ctypes.cast(params[i], ctypes.POINTER(ctypes.c_uint64))[0]
+                      for i in range(SLOTS)]
+            attributes = [(c.attrs[i].id, c.attrs[i].value) for i in range(c.num_attrs)]
+            self.launches.append((f, tuple(c.dims[:3]), tuple(c.dims[3:]), c.smem,
+                                  c.stream or 0, values, attributes))
             return self.launch_status
 
         def is_capturing(stream, status):
@@ -60,7 +84,7 @@ class FakeDriver:
 
         # Kept referenced: FastRun holds only their addresses.
         self._fns = (_LAUNCH(launch), _IS_CAPTURING(is_capturing), _CTX(ctx_get_current),
-                     _RECORD(event_record), _NAME(error_name))
+                     _RECORD(event_record), _NAME(error_name), _LAUNCH_EX(launch_ex))
         self.addresses = tuple(ctypes.cast(f, ctypes.c_void_p).value for f in self._fns)
 
 
@@ -110,7 +134,7 @@ def test_fake_tensors_without_torch(module):
     driver = FakeDriver()
     q, k, v, o = (FakeTensor(s, a) for s, a in (((4, 8, 16), 0x100), ((6, 2, 2, 16), 0x200),
                                                  ((6, 2, 2, 16), 0x300), ((4, 8, 16), 0x400)))
-    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, (0, 1, 2, 3), PACKED),)
+    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, (0, 1, 2, 3), PACKED, False),)
     fast = module.FastRun(hostpath.TORCH, None, (q, k, v, o), None, None, launches,
                           lambda: COPY_STREAM, None, set(), CONTEXT, COPY_STREAM, RUN_DONE,
                           driver.addresses)
@@ -138,7 +162,7 @@ def make(module, driver, reader, *, out=True, params=None, sm_scale=None, stream
     reader; default: plan()'s copy stream)."""
     q, k, v, o = arrays()
     slots = (-1, -1, -1, 6) if merge else (0, 1, 2, 3)
-    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, slots, PACKED),)
+    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, slots, PACKED, merge),)
     api = DLPACK_API if reader == "dlpack" else None
     copy_stream = 0 if reader == "dlpack" else COPY_STREAM
     current = copy_stream if stream is None else stream
@@ -174,6 +198,23 @@ def test_merge_launches_get_only_out(module, reader):
     q, k, v, o = arrays()
     fast(q, (k, v), None, o, None)
     assert driver.launches[0][5] == [0, 0, 0, 0, 0xAAA0, 11, o.data_ptr(), 33]
+
+
+def test_a_dependent_launch_goes_through_launch_kernel_ex(module, reader):
+    # the merge kernel's programmatic dependent launch: the same launch, one attribute
+    # (CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6, allowed)
+    driver = FakeDriver()
+    fast = make(module, driver, reader, merge=True)
+    q, k, v, o = arrays()
+    fast(q, (k, v), None, o, None)
+    [(f, grid, block, smem, stream, values, attributes)] = driver.launches
+    assert (f, grid, block, smem) == (FN, (5, 1, 1), (128, 1, 1), 1024)
+    assert stream == (0 if reader == "dlpack" else COPY_STREAM)
+    assert values == [0, 0, 0, 0, 0xAAA0, 11, o.data_ptr(), 33]
+    assert attributes == [(6, 1)]
+    driver.launch_status = 719
+    with pytest.raises(RuntimeError, match="cuLaunchKernelEx failed"):
+        fast(q, (k, v), None, o, None)
 
 
 def test_another_stream_records_run_done_once_ordered(module):
@@ -242,8 +283,12 @@ def test_bad_construction_is_refused(module):
                        1, 0, 0, driver.addresses)
     with pytest.raises(ValueError, match="8-byte slots"):
         module.FastRun(0, None, (q, k, v, o), None, None,
-                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), b"\0" * 12),),
+                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), b"\0" * 12, False),),
                        lambda: 0, torch.empty_like, set(), 1, 0, 0, driver.addresses)
+    with pytest.raises(ValueError, match="needs cuLaunchKernelEx"):
+        module.FastRun(0, None, (q, k, v, o), None, None,
+                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), PACKED, True),),
+                       lambda: 0, torch.empty_like, set(), 1, 0, 0, driver.addresses[:5] + (0,))
 
 
 def test_the_python_path_can_be_chosen(monkeypatch):

@@ -806,6 +806,26 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 #endif
 }
 
+// ---------------------------------------------------------------------------- dependent launch
+//
+// Programmatic dependent launch (sm_90+; no-ops before): the merge kernel is launched with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (attnlang.runtime.launches), so its
+// CTAs may start while the attention kernel before it still runs, once every CTA of that
+// kernel has called launch_dependents. They read what the plan alone decides (its arrays were
+// copied before either kernel) and then wait_for_prerequisites: it returns once the kernel
+// before has completed and its writes are visible. A kernel launched without the attribute
+// returns from the wait at once (its predecessors are complete).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------- fast divmod
 
 // n / d and n % d for 0 <= n < 2^31 and a run-time 1 <= d < 2^31 (Granlund-Montgomery):
@@ -1158,13 +1178,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 9 "examples/flash_sigmoid.attn"
   return attnlang::sigmoid((s + p.u_bias));
 }
-#line 1162 "flash_sigmoid_decode.cu"
+#line 1182 "flash_sigmoid_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/flash_sigmoid.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1168 "flash_sigmoid_decode.cu"
+#line 1188 "flash_sigmoid_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1174,7 +1194,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/flash_sigmoid.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1178 "flash_sigmoid_decode.cu"
+#line 1198 "flash_sigmoid_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1736,6 +1756,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   using namespace attnlang::decode_kernel;
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_bias};
+  launch_dependents();  // the merge kernel may start its CTAs (common.cuh; sm_90+)
 
   // Thread layout (see the symbols above).
   const int tx = threadIdx.x;

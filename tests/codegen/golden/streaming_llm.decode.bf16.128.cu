@@ -806,6 +806,26 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 #endif
 }
 
+// ---------------------------------------------------------------------------- dependent launch
+//
+// Programmatic dependent launch (sm_90+; no-ops before): the merge kernel is launched with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (attnlang.runtime.launches), so its
+// CTAs may start while the attention kernel before it still runs, once every CTA of that
+// kernel has called launch_dependents. They read what the plan alone decides (its arrays were
+// copied before either kernel) and then wait_for_prerequisites: it returns once the kernel
+// before has completed and its writes are visible. A kernel launched without the attribute
+// returns from the wait at once (its predecessors are complete).
+__device__ __forceinline__ void launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prerequisites() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
 // ---------------------------------------------------------------------------- fast divmod
 
 // n / d and n % d for 0 <= n < 2^31 and a run-time 1 <= d < 2^31 (Granlund-Montgomery):
@@ -1165,7 +1185,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1169 "streaming_llm_decode.cu"
+#line 1189 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1187,7 +1207,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1191 "streaming_llm_decode.cu"
+#line 1211 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1198,7 +1218,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "examples/streaming_llm.attn"
   return ((ix.kv_pos <= ix.q_pos) && ((ix.kv_pos < 4) || ((ix.q_pos - ix.kv_pos) < 1024)));
 }
-#line 1202 "streaming_llm_decode.cu"
+#line 1222 "streaming_llm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1208,7 +1228,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 13 "examples/streaming_llm.attn"
   return tri_and(tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}), tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(4)), tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(1024))));
 }
-#line 1212 "streaming_llm_decode.cu"
+#line 1232 "streaming_llm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1770,6 +1790,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   using namespace attnlang::decode_kernel;
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_theta};
+  launch_dependents();  // the merge kernel may start its CTAs (common.cuh; sm_90+)
 
   // Thread layout (see the symbols above).
   const int tx = threadIdx.x;
