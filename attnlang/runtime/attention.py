@@ -20,10 +20,13 @@ The split of work follows FlashInfer's plan/run API:
   around run() stays valid after later plan() calls: plan() only rewrites the workspace's
   contents.
 
-Everything that can be checked without a GPU is a pure function in the two modules beside
-this one, so it is tested on machines without one: `validate` (validate_shape,
-validate_plan_inputs, validate_run_inputs, resolve_params) and `workspace` (workspace_layout,
-fill_workspace, kernel_args, PackedArgs). They are re-exported here.
+Everything that can be checked without a GPU is a pure function in the modules beside this
+one, so it is tested on machines without one: `validate` (validate_shape,
+check_construction, validate_plan_inputs, validate_run_inputs, resolve_params), `workspace`
+(workspace_layout, fill_workspace, kernel_args, PackedArgs; re-exported here), `module`
+(check_module_fits) and `pairmask` (plan_masks). What needs the GPU lives beside them too:
+the compiled module (`module.module_for`), the device buffers (`workspace.allocate_workspace`),
+the kernels and their launches (`launches`) and an fp8 cache's scales (`kv_scales`).
 """
 
 from __future__ import annotations
@@ -42,19 +45,19 @@ from attnlang.runtime.arrays import (
     TensorInfo,
     current_stream_ptr,
     data_ptr,
-    is_torch_tensor,
     to_device_param,
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
+from attnlang.runtime.kv_scales import KvScales
 from attnlang.runtime.launches import launch, load_kernels, merge_grid, pack_launches
-from attnlang.runtime.module import KernelModule
+from attnlang.runtime.module import KernelModule, check_module_fits, module_for
 from attnlang.runtime.plan_mixed import BatchPlan, plan_mixed, worst_case_mixed_bounds
 from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
 from attnlang.runtime.validate import (
     AttentionShape,
     PlanInputs,
     RunInputs,
-    check_count,
+    check_construction,
     resolve_params,
     validate_plan_inputs,
     validate_run_inputs,
@@ -64,6 +67,7 @@ from attnlang.runtime.workspace import (
     _SECTIONS,
     PackedArgs,
     WorkspaceLayout,
+    allocate_workspace,
     fill_workspace,
     kernel_args,
     workspace_layout,
@@ -165,58 +169,22 @@ class BatchAttention:
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                     head_dim_vo, kv_dtype)
-        for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
-                            ("max_kv_indices", max_kv_indices),
-                            ("max_pair_mask_bytes", max_pair_mask_bytes)):
-            check_count(name, value)
-        for name, value in (("max_work_items", max_work_items),
-                            ("max_partial_rows", max_partial_rows),
-                            ("max_merge_rows", max_merge_rows), ("num_ctas", num_ctas),
-                            ("num_prefill_ctas", num_prefill_ctas)):
-            if value is not None:
-                check_count(name, value)
-        if prefill_min_rows is not None:
-            if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows,
-                                                                    (int, np.integer)):
-                raise TypeError("prefill_min_rows must be an integer >= 0, got "
-                                f"{type(prefill_min_rows).__name__}")
-            if prefill_min_rows < 0:
-                raise ValueError(
-                    f"prefill_min_rows must be an integer >= 0, got {prefill_min_rows}")
-        if not isinstance(cascade, bool):
-            raise TypeError(f"cascade must be True or False, got {cascade!r}")
+        check_construction(max_batch_size=max_batch_size, max_total_q=max_total_q,
+                           max_kv_indices=max_kv_indices,
+                           max_pair_mask_bytes=max_pair_mask_bytes,
+                           max_work_items=max_work_items, max_partial_rows=max_partial_rows,
+                           max_merge_rows=max_merge_rows, num_ctas=num_ctas,
+                           num_prefill_ctas=num_prefill_ctas, prefill_min_rows=prefill_min_rows,
+                           cascade=cascade)
+        check_module_fits(variant_or_module, self.shape, cascade)
         self.cascade = cascade
-        if isinstance(variant_or_module, KernelModule):
-            _check_module(variant_or_module, self.shape, cascade)
-        elif not isinstance(variant_or_module, ir.Variant):
-            raise TypeError(
-                "variant_or_module must be an attnlang Variant (attnlang.load(...)) or a "
-                f"compiled KernelModule (attnlang.load_compiled(...)), got "
-                f"{type(variant_or_module).__name__}"
-            )
 
         import cupy
 
         _require_gpu(cupy)
         self.device = cupy.cuda.Device(device).id if device is None else int(device)
-        if isinstance(variant_or_module, KernelModule):
-            self.module = variant_or_module
-        else:
-            from attnlang import env
-            from attnlang.runtime.module import compile_variant, device_arch
-
-            if arch is None:
-                # The device decides (Hopper gets its arch-specific target) unless
-                # ATTNLANG_ARCH says otherwise.
-                native = device_arch(self.device)
-                arch = env.arch() or ("sm_90a" if native == "sm_90" else native)
-            from attnlang.runtime.module import ALL_KINDS, KINDS
-
-            self.module = compile_variant(variant_or_module, head_dim=self.shape.head_dim,
-                                          dtype=self.shape.dtype, arch=arch,
-                                          head_dim_vo=self.shape.head_dim_vo,
-                                          kv_dtype=self.shape.kv_dtype,
-                                          kinds=ALL_KINDS if cascade else KINDS)
+        self.module = module_for(variant_or_module, self.shape, arch=arch, device=self.device,
+                                 cascade=cascade)
         # The IR mask trims each work unit's KV range at plan time (plan_trim.trim). A module
         # loaded from disk (load_compiled) carries no IR: its plans cover the whole KV range
         # and the kernels skip the EMPTY tiles themselves.
@@ -251,27 +219,17 @@ class BatchAttention:
             max_merge_rows=max_merge_rows or worst.max_merge_rows,
         )
         self.max_kv_indices = int(max_kv_indices)
-        self._layout = workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,
-                                        self.num_prefill_ctas, cascade=cascade)
         # Per-pair masks (bool[q, kv]): one fixed buffer each, rewritten by every plan(), so
         # run()'s pointer to it never moves (CUDA graphs).
         self.max_pair_mask_bytes = int(max_pair_mask_bytes)
-        pair_names = [p.name for p in self.module.params if p.is_pair]
-        with cupy.cuda.Device(self.device):
-            self._pair_buffers = {name: cupy.zeros(self.max_pair_mask_bytes, dtype=np.uint8)
-                                  for name in pair_names}
-        self._pair_values = {name: np.uint64(buf.data.ptr)
-                             for name, buf in self._pair_buffers.items()}
+        self._dev = allocate_workspace(
+            workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,
+                             self.num_prefill_ctas, cascade=cascade),
+            self.bounds, max_total_q=max_total_q, num_qo_heads=s.num_qo_heads,
+            head_dim_vo=s.head_dim_vo, pair_names=[p.name for p in self.module.params
+                                                   if p.is_pair],
+            max_pair_mask_bytes=self.max_pair_mask_bytes, device=self.device)
         self._pair_host: dict[str, np.ndarray] = {}  # the last plan's packed masks
-        with cupy.cuda.Device(self.device):
-            self._ints = cupy.zeros(self._layout.total, dtype=np.int32)
-            rows = self.bounds.max_partial_rows
-            self._partial_o = cupy.empty((rows, s.head_dim_vo), dtype=np.float32)
-            self._partial_lse = cupy.empty((rows,), dtype=np.float32)
-            # lse target when the caller does not ask for lse: fixed, so graphs stay valid.
-            self._lse_scratch = cupy.empty((max_total_q, s.num_qo_heads), dtype=np.float32)
-        self._pinned = cupy.cuda.alloc_pinned_memory(self._layout.total * 4)
-        self._host = np.frombuffer(self._pinned, dtype=np.int32, count=self._layout.total)
         with cupy.cuda.Device(self.device):
             # After the last plan's copy (guards the pinned buffer; run() waits on it) and
             # after the last run's launches (plan() waits on it before rewriting the
@@ -284,10 +242,6 @@ class BatchAttention:
         from cupy_backends.cuda.api import driver, runtime
 
         self._driver, self._runtime = driver, runtime
-        base = self._ints.data.ptr
-        self._ws = {name: base + 4 * off for name, off in self._layout.offsets.items()}
-        self._ws["partial_o"] = self._partial_o.data.ptr
-        self._ws["partial_lse"] = self._partial_lse.data.ptr
         # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
         # A request has qo_len * group fused rows, from group up to max_total_q * group.
         reachable = {
@@ -296,7 +250,8 @@ class BatchAttention:
             "prefill": max_total_q * s.group_size > self.prefill_min_rows,
             "merge": True,
         }
-        self._launches = pack_launches(self._kernels, self._ws, s, len(self.module.params),
+        self._launches = pack_launches(self._kernels, self._dev.pointers, s,
+                                       len(self.module.params),
                                        merge_grid(self._kernels, self.bounds.max_merge_rows))
         self._capture_launches = tuple(one for kind, one in self._launches.items()
                                        if reachable[kind])
@@ -310,7 +265,7 @@ class BatchAttention:
         # plan (a few: a model's layers share one), tried before the Python path.
         self._hostpath = hostpath.load()
         self._fast_runs: dict[tuple, Any] = {}
-        self._scales: dict[float, Any] = {}  # an fp8 cache's float scales as device arrays
+        self._kv_scales = KvScales(self.shape, self.device)  # an fp8 cache's scales
         self._plan: BatchPlan | None = None
         self._inputs: PlanInputs | None = None
 
@@ -369,7 +324,9 @@ class BatchAttention:
         if inputs.kv_indices.shape[0] > self.max_kv_indices:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
                                 self.max_kv_indices, "page-table entries (kv_indices)")
-        packed_pairs, pair_blocks = self._pack_pair_masks(params, inputs)
+        packed_pairs, pair_blocks = pairmask.plan_masks(
+            self.module.params, params, inputs.qo_lens, inputs.kv_lens,
+            max_bytes=self.max_pair_mask_bytes, variant_name=self.module.name)
         common = dict(num_kv_heads=self.shape.num_kv_heads, group_size=self.shape.group_size,
                       **self._tilings, prefill_min_rows=self.prefill_min_rows,
                       kv_chunk_size=kv_chunk_size, bounds=self.bounds, mask=self._mask,
@@ -385,7 +342,7 @@ class BatchAttention:
             stream = cupy.cuda.get_current_stream()
             if self._copied:
                 self._copy_done.synchronize()  # the last copy has finished reading _host
-            n = fill_workspace(self._layout, self._host, plan, inputs)
+            n = fill_workspace(self._dev.layout, self._dev.host, plan, inputs)
             # Earlier runs must have read the workspace before the copy rewrites it: those on
             # other streams recorded _run_done; those on the last copy's stream are ordered
             # before this copy when it is the same stream, else (a rare switch; that stream
@@ -395,10 +352,11 @@ class BatchAttention:
                 stream.wait_event(self._run_done)
             if self._ran_on_copy_stream and stream.ptr != self._copy_stream:
                 cupy.cuda.runtime.deviceSynchronize()
-            cupy.cuda.runtime.memcpyAsync(self._ints.data.ptr, self._host.ctypes.data, 4 * n,
-                                          cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
+            cupy.cuda.runtime.memcpyAsync(self._dev.ints.data.ptr, self._dev.host.ctypes.data,
+                                          4 * n, cupy.cuda.runtime.memcpyHostToDevice,
+                                          stream.ptr)
             for name, packed in packed_pairs.items():
-                cupy.cuda.runtime.memcpyAsync(self._pair_buffers[name].data.ptr,
+                cupy.cuda.runtime.memcpyAsync(self._dev.pair_buffers[name].data.ptr,
                                               packed.ctypes.data, packed.nbytes,
                                               cupy.cuda.runtime.memcpyHostToDevice, stream.ptr)
             self._pair_host = packed_pairs  # alive until the next plan's synchronize
@@ -447,7 +405,7 @@ class BatchAttention:
         take the Python path: its scales are tensor params).
         """
         if k_scale is not None or v_scale is not None or self.shape.kv_dtype == KV_FP8:
-            params = self._with_kv_scales(params, k_scale, v_scale, q)
+            params = self._kv_scales.merge(params, k_scale, v_scale, q)
         if lse is None and not return_lse:
             for fast in self._fast_runs.values():
                 out_obj = fast(q, kv_cache, params, out, sm_scale)
@@ -496,7 +454,7 @@ class BatchAttention:
                 out_ptr = data_ptr(out_obj)
             lse_obj = lse
             if lse is None:
-                lse_ptr = self._lse_scratch.data.ptr
+                lse_ptr = self._dev.lse_scratch.data.ptr
                 if return_lse and self.module.softmax:
                     lse_obj = empty_lse(q, checked, (self._inputs.total_q,
                                                       self.shape.num_qo_heads))
@@ -529,52 +487,6 @@ class BatchAttention:
         if return_lse:
             return out_obj, (lse_obj if self.module.softmax else None)
         return out_obj
-
-    def _with_kv_scales(self, params, k_scale, v_scale, q) -> dict:
-        """params with an fp8 cache's scales added as the module's k_scale and v_scale params
-        (float[kv_heads]): a float becomes a device array of that value per KV head, made
-        once per value (CUDA graphs: made before capture, it is the same buffer after)."""
-        if self.shape.kv_dtype != KV_FP8:
-            raise TypeError(f"k_scale and v_scale are for an fp8 KV cache; this BatchAttention's "
-                            f"cache is {self.shape.kv_dtype} (build it with kv_dtype='fp8')")
-        if k_scale is None or v_scale is None:
-            missing = "k_scale" if k_scale is None else "v_scale"
-            raise TypeError(f"an fp8 KV cache needs k_scale and v_scale (missing {missing}): a "
-                            "float, or a float32 device array [num_kv_heads]; 1.0 for values "
-                            "stored unscaled")
-        params = {} if params is None else params
-        if not isinstance(params, Mapping):
-            raise TypeError(f"params must be a dict of the variant's params, got "
-                            f"{type(params).__name__}")
-        clash = [n for n in ir.KV_SCALE_PARAMS if n in params]
-        if clash:
-            raise TypeError(f"pass {clash[0]} as run()'s {clash[0]}= argument, not in params")
-        merged = dict(params)
-        for name, value in zip(ir.KV_SCALE_PARAMS, (k_scale, v_scale), strict=True):
-            merged[name] = self._scale_array(name, value, q) if _is_number(value) else value
-        return merged
-
-    def _scale_array(self, name: str, value, q):
-        """The device array [num_kv_heads] of a float scale, one per distinct value, kept for
-        the BatchAttention's life (a graph may hold it; a model has a few values per layer)."""
-        if isinstance(value, bool):
-            raise TypeError(f"{name} must be a float or a float32 device array, got a bool")
-        value = float(value)
-        array = self._scales.get(value)
-        if array is None:
-            import cupy
-
-            stream = current_stream_ptr(is_torch_tensor(q), self.device)
-            if self._runtime.streamIsCapturing(stream):
-                raise ValueError(
-                    f"{name}={value} is a new scale while a CUDA graph is being captured: pass a "
-                    "float32 device array, or run once with this value before capturing")
-            with cupy.cuda.Device(self.device):
-                array = cupy.full(self.shape.num_kv_heads, value, dtype=np.float32)
-                # filled on CuPy's stream: done before any stream's kernel reads it
-                cupy.cuda.get_current_stream().synchronize()
-            self._scales[value] = array
-        return array
 
     def _use_fast_run(self, key: tuple, arrays: tuple, params, sm_scale,
                       checked: CheckedCall) -> None:
@@ -624,38 +536,6 @@ class BatchAttention:
 
     # -- internals
 
-    def _pack_pair_masks(self, params: Mapping[str, Any] | None, inputs: PlanInputs
-                         ) -> tuple[dict[str, np.ndarray], dict[str, pairmask.PairBlocks]]:
-        """The per-pair masks of plan()'s params, packed for the kernels (pairmask.pack) and
-        summarised for the planner (PairBlocks: it trims and costs the work by them); raises
-        for a missing one, a param plan() does not take, or a mask past
-        max_pair_mask_bytes."""
-        params = {} if params is None else params
-        if not isinstance(params, Mapping):
-            raise TypeError(f"plan()'s params must be a dict, got {type(params).__name__}")
-        pairs = {p.name: p for p in self.module.params if p.is_pair}
-        for name in params:
-            if name not in pairs:
-                raise ValueError(
-                    f"plan() takes only per-pair masks (bool[q, kv]) as params; pass {name!r} "
-                    f"to run()" + ("" if pairs else
-                                   f" (variant {self.module.name} has no per-pair mask)"))
-        packed, blocks = {}, {}
-        for name in pairs:
-            if name not in params:
-                raise ValueError(f"missing param {name!r} (bool[q, kv]): pass "
-                                 f"params={{{name!r}: ...}} to plan(), one [qo_len, kv_len] "
-                                 "bool matrix per request")
-            masks = pairmask.normalize(params[name], inputs.qo_lens, inputs.kv_lens, name)
-            summary = pairmask.summaries(masks)  # the costly part: once for both views
-            packed[name] = pairmask.pack(masks, summary)
-            if packed[name].nbytes > self.max_pair_mask_bytes:
-                raise CapacityError("max_pair_mask_bytes", packed[name].nbytes,
-                                    self.max_pair_mask_bytes,
-                                    f"bytes of the packed per-pair mask {name!r}")
-            blocks[name] = pairmask.PairBlocks(masks, summary)
-        return packed, blocks
-
     def _check_call(self, q, kv_cache, params, out, lse, sm_scale) -> CheckedCall:
         """Validate one run() call in full (validate_run_inputs) and keep what later calls
         with the same signature reuse."""
@@ -663,7 +543,7 @@ class BatchAttention:
                                    params, out=out, lse=lse, sm_scale=sm_scale,
                                    variant_name=self.module.name,
                                    dim_sizes=self.module.param_dims,
-                                   plan_params=self._pair_values)
+                                   plan_params=self._dev.pair_values)
         if args.device != self.device:
             raise ValueError(f"q is on device {args.device} but this BatchAttention "
                              f"lives on device {self.device}")
@@ -694,26 +574,3 @@ _CHECKED_CALLS = 64
 # FastRuns per plan, each tried in turn before the Python path (a miss returns early).
 _FAST_RUNS = 4
 
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float, np.integer, np.floating))
-
-
-def _check_module(module: KernelModule, shape: AttentionShape, cascade: bool) -> None:
-    have = (module.head_dim, module.head_dim_vo, module.dtype, module.kv_dtype)
-    if have != (shape.head_dim, shape.head_dim_vo, shape.dtype, shape.kv_dtype):
-        raise ValueError(
-            f"the compiled module {module.name} is {module.dtype} head_dim {module.head_dim}"
-            f"/{module.head_dim_vo} (query-key/value), cache {module.kv_dtype}, but this "
-            f"BatchAttention asks for {shape.dtype} head_dim {shape.head_dim}/"
-            f"{shape.head_dim_vo}, cache {shape.kv_dtype}: compile the variant for those "
-            "(attnlang.compile) or pass the Variant itself"
-        )
-    needed = ("decode", "prefill", "merge", "cascade") if cascade else ("decode", "prefill",
-                                                                         "merge")
-    missing = [k for k in needed if k not in module.cubins]
-    if missing:
-        how = ("`attnlang compile FILE --cascade`, or kinds=ALL_KINDS" if "cascade" in missing
-               else "the default kinds")
-        raise ValueError(f"the compiled module {module.name} lacks the {', '.join(missing)} "
-                         f"kernel(s) BatchAttention needs; compile it with {how}")

@@ -42,7 +42,7 @@ from attnlang.runtime.compiler import Cubin, FunctionInfo
 __all__ = [
     "KINDS", "ALL_KINDS", "KERNEL_KINDS", "HEAD_DIMS", "MANIFEST_FORMAT", "KernelModule",
     "ModuleLoadError", "compile_variant", "load_compiled", "arch_runs_on", "device_arch",
-    "check_head_dim",
+    "check_head_dim", "check_module_fits", "module_for",
 ]
 
 # The kernels a module holds by default; ALL_KINDS adds the cascade kernel (shared-prefix
@@ -382,6 +382,55 @@ def arch_runs_on(arch: str, device: str) -> bool:
     if suffix == "a":
         return (major, minor) == (dmajor, dminor)
     return major == dmajor and minor <= dminor
+
+
+def check_module_fits(variant_or_module: Any, shape: Any, cascade: bool) -> None:
+    """What a BatchAttention of `shape` (validate.AttentionShape) can check without a GPU of
+    the variant or compiled module it is given: its type, and a module's head dims, dtypes
+    and kernels (the cascade kernel where cascade)."""
+    if not isinstance(variant_or_module, (ir.Variant, KernelModule)):
+        raise TypeError(
+            "variant_or_module must be an attnlang Variant (attnlang.load(...)) or a "
+            f"compiled KernelModule (attnlang.load_compiled(...)), got "
+            f"{type(variant_or_module).__name__}"
+        )
+    if isinstance(variant_or_module, ir.Variant):
+        return
+    module = variant_or_module
+    have = (module.head_dim, module.head_dim_vo, module.dtype, module.kv_dtype)
+    if have != (shape.head_dim, shape.head_dim_vo, shape.dtype, shape.kv_dtype):
+        raise ValueError(
+            f"the compiled module {module.name} is {module.dtype} head_dim {module.head_dim}"
+            f"/{module.head_dim_vo} (query-key/value), cache {module.kv_dtype}, but this "
+            f"BatchAttention asks for {shape.dtype} head_dim {shape.head_dim}/"
+            f"{shape.head_dim_vo}, cache {shape.kv_dtype}: compile the variant for those "
+            "(attnlang.compile) or pass the Variant itself"
+        )
+    needed = ALL_KINDS if cascade else KINDS
+    missing = [k for k in needed if k not in module.cubins]
+    if missing:
+        how = ("`attnlang compile FILE --cascade`, or kinds=ALL_KINDS" if "cascade" in missing
+               else "the default kinds")
+        raise ValueError(f"the compiled module {module.name} lacks the {', '.join(missing)} "
+                         f"kernel(s) BatchAttention needs; compile it with {how}")
+
+
+def module_for(variant_or_module: ir.Variant | KernelModule, shape: Any, *, arch: str | None,
+               device: int, cascade: bool) -> KernelModule:
+    """The module a BatchAttention of `shape` runs on `device`: a compiled one as given
+    (`check_module_fits` first), else the variant compiled (or found in the cache) for arch;
+    None: the device's, where Hopper gets its arch-specific sm_90a, unless ATTNLANG_ARCH
+    names another. The cascade kernel is compiled too where cascade."""
+    if isinstance(variant_or_module, KernelModule):
+        return variant_or_module
+    if arch is None:
+        from attnlang import env
+
+        native = device_arch(device)
+        arch = env.arch() or ("sm_90a" if native == "sm_90" else native)
+    return compile_variant(variant_or_module, head_dim=shape.head_dim, dtype=shape.dtype,
+                           arch=arch, head_dim_vo=shape.head_dim_vo, kv_dtype=shape.kv_dtype,
+                           kinds=ALL_KINDS if cascade else KINDS)
 
 
 def device_arch(device: int) -> str:

@@ -24,13 +24,15 @@ are all false and drop the per-element test where they are all true.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from attnlang.runtime.planner import CapacityError
+
 __all__ = ["BLOCK_Q", "BLOCK_KV", "PairBlocks", "normalize", "pack", "packed_size",
-           "summaries", "tree_mask"]
+           "plan_masks", "summaries", "tree_mask"]
 
 BLOCK_Q, BLOCK_KV = 16, 32  # summary granularity: 16 query rows x 32 keys
 _HEADER = 32  # bytes before word_start
@@ -68,6 +70,40 @@ def normalize(value: Any, qo_lens: Sequence[int], kv_lens: Sequence[int],
     ends = np.cumsum([q * k for q, k in zip(qo, kv, strict=True)])
     return [seg.reshape(q, k) for seg, q, k in zip(np.split(flat, ends[:-1]), qo, kv,
                                                     strict=True)]
+
+
+def plan_masks(specs: Sequence[Any], params: Mapping[str, Any] | None,
+               qo_lens: Sequence[int], kv_lens: Sequence[int], *, max_bytes: int,
+               variant_name: str) -> tuple[dict[str, np.ndarray], dict[str, PairBlocks]]:
+    """The per-pair masks of plan()'s params (the module's param `specs` say which are
+    bool[q, kv]), packed for the kernels (`pack`) and summarised for the planner
+    (`PairBlocks`: it trims and costs the work by them). Raises TypeError for params that are
+    not a dict, ValueError for a missing mask or a param plan() does not take, and
+    planner.CapacityError for a packed mask over max_bytes."""
+    params = {} if params is None else params
+    if not isinstance(params, Mapping):
+        raise TypeError(f"plan()'s params must be a dict, got {type(params).__name__}")
+    pairs = [p.name for p in specs if p.is_pair]
+    for name in params:
+        if name not in pairs:
+            raise ValueError(
+                f"plan() takes only per-pair masks (bool[q, kv]) as params; pass {name!r} "
+                f"to run()" + ("" if pairs else
+                               f" (variant {variant_name} has no per-pair mask)"))
+    packed, blocks = {}, {}
+    for name in pairs:
+        if name not in params:
+            raise ValueError(f"missing param {name!r} (bool[q, kv]): pass "
+                             f"params={{{name!r}: ...}} to plan(), one [qo_len, kv_len] "
+                             "bool matrix per request")
+        masks = normalize(params[name], qo_lens, kv_lens, name)
+        summary = summaries(masks)  # the costly part: once for both views
+        packed[name] = pack(masks, summary)
+        if packed[name].nbytes > max_bytes:
+            raise CapacityError("max_pair_mask_bytes", packed[name].nbytes, max_bytes,
+                                f"bytes of the packed per-pair mask {name!r}")
+        blocks[name] = PairBlocks(masks, summary)
+    return packed, blocks
 
 
 def tree_mask(parents: Sequence[int], context: int) -> np.ndarray:

@@ -34,7 +34,7 @@ from attnlang.runtime.planner import PlanError, lengths_from_indptr
 
 __all__ = [
     "AttentionShape", "PlanInputs", "RunInputs", "validate_shape", "validate_plan_inputs",
-    "validate_run_inputs", "resolve_params", "check_count",
+    "validate_run_inputs", "resolve_params", "check_count", "check_construction",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -445,6 +445,33 @@ def _check_same_device(arrays: list[tuple[str, TensorInfo]]) -> None:
         if info.device != first.device:
             raise ValueError(f"{name} is on device {info.device} but {first_name} is on device "
                              f"{first.device}; all inputs must be on one GPU")
+
+
+def check_construction(*, max_batch_size: Any, max_total_q: Any, max_kv_indices: Any,
+                       max_pair_mask_bytes: Any, max_work_items: Any, max_partial_rows: Any,
+                       max_merge_rows: Any, num_ctas: Any, num_prefill_ctas: Any,
+                       prefill_min_rows: Any, cascade: Any) -> None:
+    """BatchAttention's capacities and knobs (None: the default) as it takes them, checked
+    without a GPU: TypeError for a wrong type, ValueError for a value out of range."""
+    for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
+                        ("max_kv_indices", max_kv_indices),
+                        ("max_pair_mask_bytes", max_pair_mask_bytes)):
+        check_count(name, value)
+    for name, value in (("max_work_items", max_work_items),
+                        ("max_partial_rows", max_partial_rows),
+                        ("max_merge_rows", max_merge_rows), ("num_ctas", num_ctas),
+                        ("num_prefill_ctas", num_prefill_ctas)):
+        if value is not None:
+            check_count(name, value)
+    if prefill_min_rows is not None:
+        if isinstance(prefill_min_rows, bool) or not isinstance(prefill_min_rows,
+                                                                (int, np.integer)):
+            raise TypeError("prefill_min_rows must be an integer >= 0, got "
+                            f"{type(prefill_min_rows).__name__}")
+        if prefill_min_rows < 0:
+            raise ValueError(f"prefill_min_rows must be an integer >= 0, got {prefill_min_rows}")
+    if not isinstance(cascade, bool):
+        raise TypeError(f"cascade must be True or False, got {cascade!r}")
 
 
 def check_count(name: str, value: Any) -> None:

@@ -22,7 +22,8 @@ from attnlang.runtime.plan_mixed import BatchPlan
 from attnlang.runtime.planner import Plan, PlanBounds
 from attnlang.runtime.validate import PlanInputs
 
-__all__ = ["WorkspaceLayout", "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs"]
+__all__ = ["WorkspaceLayout", "workspace_layout", "fill_workspace", "kernel_args", "PackedArgs",
+           "DeviceWorkspace", "allocate_workspace"]
 
 # run()'s per-call array pointers, little-endian 8-byte slots (PackedArgs.update).
 _FIVE_POINTERS, _TWO_POINTERS = struct.Struct("<5Q"), struct.Struct("<2Q")
@@ -247,3 +248,50 @@ class PackedArgs:
         views = {np.uint64: self._u64, np.int32: self._i32, np.float32: self._f32}
         return tuple(t(views[t][i if t is np.uint64 else 2 * i])
                      for i, t in enumerate(self._types))
+
+
+@dataclass(frozen=True)
+class DeviceWorkspace:
+    """A BatchAttention's device memory, allocated once so that every pointer a kernel (or a
+    captured CUDA graph) holds stays valid: the int32 workspace (`ints`, with its pinned host
+    image `host` that plan() fills and copies in one transfer), the partial states of split
+    requests, the lse target of calls that do not ask for lse, and one fixed buffer per
+    per-pair mask param (rewritten by every plan()). `pointers`: each section's address by
+    name (`kernel_args`' `ws`), partial_o and partial_lse included."""
+
+    layout: WorkspaceLayout
+    ints: Any               # cupy int32 [layout.total]
+    host: np.ndarray        # int32 [layout.total], over `pinned`
+    pinned: Any             # the page-locked host memory under `host`
+    partial_o: Any          # cupy float32 [max_partial_rows, head_dim_vo]
+    partial_lse: Any        # cupy float32 [max_partial_rows]
+    lse_scratch: Any        # cupy float32 [max_total_q, num_qo_heads]
+    pair_buffers: Mapping[str, Any]       # cupy uint8 [max_pair_mask_bytes] per pair param
+    pair_values: Mapping[str, np.uint64]  # their addresses, as the kernels take them
+    pointers: Mapping[str, int]
+
+
+def allocate_workspace(layout: WorkspaceLayout, bounds: PlanBounds, *, max_total_q: int,
+                       num_qo_heads: int, head_dim_vo: int, pair_names: Sequence[str],
+                       max_pair_mask_bytes: int, device: int) -> DeviceWorkspace:
+    """Allocate a `DeviceWorkspace` on `device` (needs a GPU)."""
+    import cupy
+
+    with cupy.cuda.Device(device):
+        pair_buffers = {name: cupy.zeros(max_pair_mask_bytes, dtype=np.uint8)
+                        for name in pair_names}
+        ints = cupy.zeros(layout.total, dtype=np.int32)
+        rows = bounds.max_partial_rows
+        partial_o = cupy.empty((rows, head_dim_vo), dtype=np.float32)
+        partial_lse = cupy.empty((rows,), dtype=np.float32)
+        lse_scratch = cupy.empty((max_total_q, num_qo_heads), dtype=np.float32)
+    pinned = cupy.cuda.alloc_pinned_memory(layout.total * 4)
+    host = np.frombuffer(pinned, dtype=np.int32, count=layout.total)
+    base = ints.data.ptr
+    pointers = {name: base + 4 * off for name, off in layout.offsets.items()}
+    pointers["partial_o"] = partial_o.data.ptr
+    pointers["partial_lse"] = partial_lse.data.ptr
+    return DeviceWorkspace(layout, ints, host, pinned, partial_o, partial_lse, lse_scratch,
+                           pair_buffers,
+                           {name: np.uint64(buf.data.ptr) for name, buf in pair_buffers.items()},
+                           pointers)

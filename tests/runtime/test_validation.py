@@ -122,9 +122,14 @@ def test_batch_attention_checks_arguments_before_touching_a_gpu():
         attnlang.BatchAttention(SOFTCAP, 8, 4, 128, prefill_min_rows=2.5)
     with pytest.raises(TypeError, match="variant_or_module must be an attnlang Variant"):
         attnlang.BatchAttention("examples/softcap.attn", 8, 4, 128)
+    with pytest.raises(TypeError, match="cascade must be True or False"):
+        attnlang.BatchAttention(SOFTCAP, 8, 4, 128, cascade="yes")
     module = fake_module(dtype="float16", head_dim=128)
     with pytest.raises(ValueError, match="float16 head_dim 128.*bfloat16 head_dim 64"):
         attnlang.BatchAttention(module, 8, 4, 64, dtype="bfloat16")
+    with pytest.raises(ValueError, match=r"lacks the prefill, cascade kernel\(s\).*--cascade"):
+        attnlang.BatchAttention(fake_module(dtype="bfloat16", head_dim=128), 8, 4, 128,
+                                cascade=True)
 
 
 @pytest.mark.parametrize("value,expected", [
