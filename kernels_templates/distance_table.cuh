@@ -1,6 +1,6 @@
 // distance_table.cuh: the prefill kernel's table of the logits' distance term
 // (attnlang/codegen/distance_terms.py) over a work item's KV tiles. Spliced into
-// prefill.cu.j2 in namespace attnlang::prefill_kernel, after prefill_scores.cuh.
+// prefill_common.cu.j2 in namespace attnlang::prefill_kernel, after prefill_scores.cuh.
 //
 // The term depends on a score's distance q_pos - kv_pos (and, kDistanceByHead, its query
 // head) only, so one table over a range of distances serves every tile whose scores fall in

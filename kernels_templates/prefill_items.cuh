@@ -1,6 +1,6 @@
 // prefill_items.cuh: a work item of the prefill kernel, its query rows and their Index (one
 // request's rows, or a cascade group's: several requests', each row its own), and how the
-// rows deciding together class a tile. Spliced verbatim by prefill.cu.j2 inside namespace
+// rows deciding together class a tile. Spliced verbatim by prefill_common.cu.j2 inside namespace
 // attnlang::prefill_kernel, after its constants: not a header of its own.
 
 // A shared-prefix level's work list (kCascade, the `cascade` kernel): an item's rows are the

@@ -1,6 +1,6 @@
 // prefill_mma.cuh: the mma.sync path (sm_80 and every target without wgmma): a warp folds
 // one step of kSubKeys keys into its rows' state, Q K^T and P V from ldmatrix fragments.
-// Spliced verbatim by prefill.cu.j2 inside namespace attnlang::prefill_kernel, after its
+// Spliced verbatim by prefill_common.cu.j2 inside namespace attnlang::prefill_kernel, after its
 // constants (kTileKeys, kSubKeys, kRows, ...) and work items: not a header of its own.
 
 // Fold one tile into the warp's state. k_stage / v_stage: the tile in shared memory; kMasked:

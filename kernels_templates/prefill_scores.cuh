@@ -1,7 +1,7 @@
 // prefill_scores.cuh: what both paths do to one tile's scores: their fragment layout
 // (ldmatrix lane offsets), the logits and mask hooks per score, with the tile-uniform
 // terms or the distance table where the tile has them, and the online softmax.
-// Spliced verbatim by prefill.cu.j2 inside namespace attnlang::prefill_kernel, after its
+// Spliced verbatim by prefill_common.cu.j2 inside namespace attnlang::prefill_kernel, after its
 // constants (kTileKeys, kSubKeys, kRows, ...) and work items: not a header of its own.
 
 // ---------------------------------------------------------------------------- one tile

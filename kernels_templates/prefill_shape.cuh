@@ -1,7 +1,7 @@
 // prefill_shape.cuh: what the prefill kernel derives from its shape's literals (which
-// prefill.cu.j2 splices just before): the rows deciding together, the register split with a
+// prefill_common.cu.j2 splices just before): the rows deciding together, the register split with a
 // producer, the named barriers, the fp8 and split-key choices, every static check of the
-// shape, and the tile swizzle. Spliced verbatim by prefill.cu.j2 inside namespace
+// shape, and the tile swizzle. Spliced verbatim by prefill_common.cu.j2 inside namespace
 // attnlang::prefill_kernel: not a header of its own.
 
 // Rows that take one decision per tile (skip it, drop its mask): a warp, or on the wgmma

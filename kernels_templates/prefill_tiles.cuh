@@ -1,6 +1,6 @@
 // prefill_tiles.cuh: a work item's KV tiles, which to visit (the tile cursor) and how they
 // reach shared memory (page lookups, cp.async copies, the key/value hooks applied in place).
-// Spliced verbatim by prefill.cu.j2 inside namespace attnlang::prefill_kernel, after its
+// Spliced verbatim by prefill_common.cu.j2 inside namespace attnlang::prefill_kernel, after its
 // constants (kTileKeys, kSubKeys, kRows, ...) and work items: not a header of its own.
 
 // ---------------------------------------------------------------------------- tile schedule

@@ -1,7 +1,7 @@
 // prefill_wgmma.cuh: the wgmma path (sm_90a): a warpgroup folds a whole tile into its 64
 // rows, its P V issued behind the next tile's Q K^T, and partial tiles classed per
 // 32-key column block.
-// Spliced verbatim by prefill.cu.j2 inside namespace attnlang::prefill_kernel, after its
+// Spliced verbatim by prefill_common.cu.j2 inside namespace attnlang::prefill_kernel, after its
 // constants (kTileKeys, kSubKeys, kRows, ...) and work items: not a header of its own.
 
 // ---------------------------------------------------------------------------- wgmma path

@@ -2,7 +2,7 @@
 // Hopper warpgroup mma (wgmma, sm_90a): shared-memory descriptors, fences and the commit /
 // wait of asynchronous groups. Spliced into the prefill source with this instance's
 // wgmma_qk / wgmma_pv wrappers (attnlang/codegen/render.py generates those: their operand
-// lists are as long as the accumulators). Only the wgmma path of prefill.cu.j2 calls them.
+// lists are as long as the accumulators). Only the wgmma path (prefill_wgmma.cu.j2) calls them.
 //
 // Symbols (namespace attnlang):
 //   sw128_desc(addr, lead, stride)   descriptor of a 128-byte-swizzled operand tile

@@ -23,7 +23,8 @@ cache at head_dim 64, 128 or 256, softmax on, no key or value hook. Block (TX, 1
 merge (kernels_templates/merge.cu.j2), block (TX, ROWS, SZ): SZ TX-lane groups per merge
 row splitting its partial states, grid-stride over rows; their states meet in shared memory.
 
-prefill (kernels_templates/prefill.cu.j2), block (32 * WARPS [+ PRODUCER_THREADS], 1, 1):
+prefill (kernels_templates/prefill_mma.cu.j2, prefill_wgmma.cu.j2), block (32 * WARPS
+[+ PRODUCER_THREADS], 1, 1):
 tensor cores, each warp owns 16 * ROW_BLOCKS fused rows, so a work item covers
 R = 16 * ROW_BLOCKS * WARPS rows (128). KV tiles of `kv_tile` keys stream through a
 `stages`-deep cp.async ring; shared memory = K and V stages, the [R][head_dim] Q tile and a

@@ -188,8 +188,9 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
     the prefill path (`config.uses_wgmma`); ``wgmma`` is its C++ literal, ``wgmma_source``
     the Hopper helpers (prefill only). kv_dtype: the cache's element type (None: dtype);
     ``kv_ctype`` is its C type and ``kv_source`` its ``kv_scales``. ``template`` names the
-    .cu.j2 file: the kind's, prefill's for a cascade, decode_mma's for a decode kernel on tensor
-    cores (`decode_mma`).
+    .cu.j2 file: the kind's for decode and merge (decode_mma's for a decode kernel on tensor
+    cores, `decode_mma`); for prefill and cascade the instruction path's, prefill_wgmma where
+    `config.uses_wgmma` holds, else prefill_mma.
     """
     shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo, hooks.pair_masks,
                                   hooks.distance_table,
@@ -203,8 +204,12 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
             "`batch`, `qo_len` or `kv_len`, so the keys of a prefix shared by several "
             "requests differ per request; plan without cascade")
     return {
+        # The kernel's template: the decode kernel's (decode.cu.j2, or decode_mma.cu.j2 on
+        # tensor cores), the merge kernel's, or the prefill kernel of the instruction path
+        # (prefill_wgmma.cu.j2 or prefill_mma.cu.j2; a cascade kernel is one with kCascade).
         "template": ("decode_mma" if shape.decode_mma else
-                     "prefill" if cascade else kind),  # prefill.cu.j2 with kCascade
+                     ("prefill_wgmma" if shape.wgmma else "prefill_mma")
+                     if kind in ("prefill", "cascade") else kind),
         "variant_name": hooks.variant,
         "dtype": dtype,
         "ctype": shape.ctype,
@@ -228,7 +233,7 @@ def context(hooks: Hooks, kind: str, dtype: str, head_dim: int,
         "barrier_bytes": config.PIPELINE_BARRIER_BYTES if shape.producer_threads else 0,
         "wgmma": "true" if shape.wgmma else "false",
         "wgmma_source": _wgmma_source(shape) if kind in ("prefill", "cascade") else "",
-        # The cascade kernel (prefill.cu.j2 with kCascade): two more plan arrays.
+        # The cascade kernel (a prefill kernel with kCascade): two more plan arrays.
         "entry": kind,  # the extern "C" name: the kind's
         "cascade": "true" if cascade else "false",
         "cascade_args": ("\n        const int* __restrict__ cascade_item,"

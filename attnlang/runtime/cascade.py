@@ -3,7 +3,7 @@
 A paged cache stores a prefix shared by several requests (a system prompt, few-shot
 examples, the prompt of parallel samples) once: their page lists begin with the same page
 ids. A cascade plan attends each shared run once for all the queries of its requests, in
-the `cascade` kernel (prefill.cu.j2 with kCascade: one work item's rows are the fused rows
+the `cascade` kernel (a prefill kernel with kCascade: one work item's rows are the fused rows
 of several requests, each row with its own request's Index, so rope, masks and every hook
 see true positions), and each request's remaining positions in the usual kernels; every row
 of those requests then merges its partial states (the merge kernel: softmax by log-sum-exp,

@@ -225,7 +225,7 @@ def test_fp8_decode_on_tensor_cores_row_hooks(case, workdir):
          kv_lens=(260, 250, 300), shared_pages=((0, 3, 10),)),
 ], ids=["gptj-rope-nested", "t5-tables", "spec-tree-fp16"])
 def test_cascade(case, workdir):
-    # Shared-prefix levels in the cascade kernel (prefill.cu.j2 with kCascade: an item's rows
+    # Shared-prefix levels in the cascade kernel (a prefill kernel with kCascade: an item's rows
     # are several requests', each with its own Index), each request's own positions in the
     # decode / prefill kernels, every row merged.
     case = dict(case)

@@ -46,15 +46,21 @@ def test_prefill_source_takes_the_decode_arguments(path):
     assert args == decode
 
 
-def test_prefill_template_lists_what_it_splices():
+def test_prefill_templates_list_what_they_splice():
+    # one kernel per instruction path, prefill_common.cu.j2's header lists every value any of
+    # them splices and every part they include
     from pathlib import Path
 
     from attnlang import paths
 
-    text = (Path(paths.templates_dir()) / "prefill.cu.j2").read_text()
-    header = text.split("-#}")[0]
-    for name in set(re.findall(r"{{\s*(\w+)\s*}}", text)):
-        assert name in header, f"prefill.cu.j2 splices '{name}' without listing it"
+    root = Path(paths.templates_dir())
+    header = (root / "prefill_common.cu.j2").read_text().split("-#}")[0]
+    for name in ("prefill_common", "prefill_entry", "prefill_mma", "prefill_wgmma"):
+        text = (root / f"{name}.cu.j2").read_text()
+        for value in set(re.findall(r"{{\s*(\w+)\s*}}", text)):
+            assert value in header, f"{name}.cu.j2 splices '{value}' unlisted in prefill_common"
+        for part in re.findall(r'{% include "(prefill_\w+\.cuh)" %}', text):
+            assert part in header and (root / part).exists(), (name, part)
 
 
 def test_launch_config_prefill():
