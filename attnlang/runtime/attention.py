@@ -401,8 +401,8 @@ class BatchAttention:
         Host cost: a call whose inputs differ from an earlier call of the same plan only in
         their addresses (another layer's cache, a new q) reuses that call's validation
         (`call_signature`): it reads pointers, checks their alignment and launches, in C
-        (`runtime/hostpath.c`) where it can be built, else in Python (an fp8 cache's calls
-        take the Python path: its scales are tensor params).
+        (`runtime/hostpath.c`) where it can be built, else in Python; device-array params (an
+        fp8 cache's scales, tables) are read again per call there too.
         """
         if k_scale is not None or v_scale is not None or self.shape.kv_dtype == KV_FP8:
             params = self._kv_scales.merge(params, k_scale, v_scale, q)
@@ -491,14 +491,13 @@ class BatchAttention:
     def _use_fast_run(self, key: tuple, arrays: tuple, params, sm_scale,
                       checked: CheckedCall) -> None:
         """After a Python-path launch: make a FastRun for this signature (from the launch just
-        packed) when the C path is built and takes such calls (no lse, no tensor params,
+        packed) when the C path is built and takes such calls (no lse, no host-array params,
         torch or CuPy arrays), so later calls with it skip Python."""
-        if (self._hostpath is None or checked.tensor_params or checked.host_params
-                or key in self._fast_runs or len(self._fast_runs) >= _FAST_RUNS):
+        if (self._hostpath is None or checked.host_params or key in self._fast_runs
+                or len(self._fast_runs) >= _FAST_RUNS):
             return
         fast = hostpath.fast_run(
-            # key[5]: describe_call's ((name, type, value), ...) of the scalar params
-            self._hostpath, arrays=arrays, params=None if params is None else key[5],
+            self._hostpath, arrays=arrays, params=params, tensor_params=checked.tensor_params,
             sm_scale=sm_scale, launches=self._plan_launches, device=self.device,
             waited=self._waited, copy_stream=self._copy_stream, run_done=self._run_done.ptr,
             head_dim_vo=self.shape.head_dim_vo)

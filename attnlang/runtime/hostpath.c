@@ -3,9 +3,10 @@
  * BatchAttention.run() validates a call in Python once per signature (each array's type,
  * shape, strides, dtype and device; the params; sm_scale). For a validated signature it
  * makes a FastRun here, holding that signature and the packed arguments of the plan's
- * launches. A later call goes to FastRun first: it reads q, k_cache, v_cache and out again,
- * compares everything but their addresses with the validated call, checks the addresses for
- * 16-byte alignment, writes them into the packed arguments and launches. Whatever it is not
+ * launches. A later call goes to FastRun first: it reads q, k_cache, v_cache, out and the
+ * device-array params again, compares everything but their addresses with the validated
+ * call, checks the four arrays' addresses for 16-byte alignment, writes the addresses into
+ * the packed arguments and launches. Whatever it is not
  * sure of (another signature, a misaligned pointer, another current device, a stream that
  * plan()'s copy has not been ordered before, stream capture) makes it return None without
  * launching: run() then takes its Python path, which checks everything and says what is
@@ -56,6 +57,7 @@ enum { ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6 };
 
 enum { ARRAY_TORCH = 0, ARRAY_CUPY = 1 };
 enum { Q, K, V, OUT, NUM_ARRAYS };
+enum { MAX_TENSOR_PARAMS = 16 };  /* more: the call takes the Python path */
 
 /* DLPack's C exchange API (dlpack.h 1.3): torch.Tensor.__dlpack_c_exchange_api__ gives
  * an array's DLTensor and the current stream without a Python call. Only the parts used. */
@@ -94,10 +96,22 @@ typedef struct {
     void *fn;
     unsigned grid[3], block[3], smem;
     int slot[NUM_ARRAYS];   /* the u64 slot of q, k_cache, v_cache, out; -1 if not an arg */
+    int params0;            /* the slot of the variant's first param */
     uint64_t *values;       /* the packed arguments, one 8-byte slot each */
     void **params;          /* params[i] = &values[i]: what cuLaunchKernel reads */
     int dependent;          /* a programmatic dependent launch (cuLaunchKernelEx) */
 } Launch;
+
+/* A device-array param of the validated call: read again per call like q, its address
+ * written into slot params0 + index of every launch. */
+typedef struct {
+    PyObject *name;
+    int kind;               /* ARRAY_TORCH or ARRAY_CUPY: how it is read (a CuPy array may
+                               come beside torch tensors: an fp8 cache's float scales) */
+    int index;              /* its place among the variant's params */
+    Meta expected;
+    PyObject *dtype;        /* kept alive where the dtype is compared by identity */
+} TensorParam;
 
 typedef struct {
     PyObject_HEAD
@@ -106,7 +120,10 @@ typedef struct {
     Meta expected[NUM_ARRAYS];        /* the validated call's arrays */
     PyObject *dtypes[NUM_ARRAYS];     /* their dtype objects when compared by identity */
     int allocate;                     /* the validated call had no out: allocate one */
-    PyObject *params;       /* None, or ((name, type, value), ...) of a dict of scalars */
+    PyObject *params;       /* None, or ((name, type, value), ...) of the dict's scalars */
+    Py_ssize_t num_params;  /* the dict's size: scalars and tensors */
+    int num_tensors;
+    TensorParam tensors[MAX_TENSOR_PARAMS];
     PyObject *sm_scale;     /* the validated sm_scale argument: None or a number */
     PyObject *stream_fn;    /* () -> current stream handle (int), without DLPack */
     PyObject *empty_like;   /* (q) -> a new output */
@@ -183,10 +200,11 @@ done:
     return ok;
 }
 
-/* x's Meta and address; 0 on success, -1 with or without a Python error set. */
-static int read_array(const FastRun *self, PyObject *x, Meta *m, uintptr_t *ptr) {
+/* x's Meta and address, x an array of `kind`; 0 on success, -1 with or without a Python
+ * error set. */
+static int read_array_of(const FastRun *self, int kind, PyObject *x, Meta *m, uintptr_t *ptr) {
     m->type = Py_TYPE(x);
-    if (self->dlpack == NULL) return read_attributes(self->array_kind, x, m, ptr);
+    if (self->dlpack == NULL || kind != ARRAY_TORCH) return read_attributes(kind, x, m, ptr);
     DLTensor t;
     if (self->dlpack->dltensor_from_py_object_no_sync(x, &t) != 0 || t.ndim > MAX_DIMS) return -1;
     m->ndim = t.ndim;
@@ -198,11 +216,16 @@ static int read_array(const FastRun *self, PyObject *x, Meta *m, uintptr_t *ptr)
     return 0;
 }
 
-/* 1 if x reads as `expected` (its address into *ptr), else 0. */
-static int matches(const FastRun *self, PyObject *x, const Meta *expected, uintptr_t *ptr) {
+static int read_array(const FastRun *self, PyObject *x, Meta *m, uintptr_t *ptr) {
+    return read_array_of(self, self->array_kind, x, m, ptr);
+}
+
+/* 1 if x, an array of `kind`, reads as `expected` (its address into *ptr), else 0. */
+static int matches_of(const FastRun *self, int kind, PyObject *x, const Meta *expected,
+                      uintptr_t *ptr) {
     Meta m;
     if (Py_TYPE(x) != expected->type) return 0;
-    if (read_array(self, x, &m, ptr) < 0) {
+    if (read_array_of(self, kind, x, &m, ptr) < 0) {
         PyErr_Clear();  /* an unreadable array: the Python path says what is wrong */
         return 0;
     }
@@ -212,19 +235,30 @@ static int matches(const FastRun *self, PyObject *x, const Meta *expected, uintp
            memcmp(m.strides, expected->strides, m.ndim * sizeof(int64_t)) == 0;
 }
 
-/* 1 if `params` is the validated params (same names, types and values), else 0 / -1. */
-static int same_params(PyObject *expected, PyObject *params) {
-    if (expected == Py_None) return params == Py_None;
-    if (!PyDict_CheckExact(params)) return 0;
-    Py_ssize_t n = PyTuple_GET_SIZE(expected);
-    if (PyDict_GET_SIZE(params) != n) return 0;
+static int matches(const FastRun *self, PyObject *x, const Meta *expected, uintptr_t *ptr) {
+    return matches_of(self, self->array_kind, x, expected, ptr);
+}
+
+/* 1 if `params` is the validated params (the same names; scalars of the same types and
+ * values; device arrays that read as the validated ones, their addresses into
+ * tensor_ptr[]), else 0 / -1. */
+static int same_params(const FastRun *self, PyObject *params, uintptr_t *tensor_ptr) {
+    if (self->params == Py_None) return params == Py_None;
+    if (!PyDict_CheckExact(params) || PyDict_GET_SIZE(params) != self->num_params) return 0;
+    Py_ssize_t n = PyTuple_GET_SIZE(self->params);
     for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyTuple_GET_ITEM(expected, i);
+        PyObject *item = PyTuple_GET_ITEM(self->params, i);
         PyObject *value = PyDict_GetItemWithError(params, PyTuple_GET_ITEM(item, 0));
         if (value == NULL) return PyErr_Occurred() ? -1 : 0;
         if ((PyObject *)Py_TYPE(value) != PyTuple_GET_ITEM(item, 1)) return 0;
         int same = PyObject_RichCompareBool(value, PyTuple_GET_ITEM(item, 2), Py_EQ);
         if (same != 1) return same;
+    }
+    for (int j = 0; j < self->num_tensors; j++) {
+        const TensorParam *t = &self->tensors[j];
+        PyObject *value = PyDict_GetItemWithError(params, t->name);
+        if (value == NULL) return PyErr_Occurred() ? -1 : 0;
+        if (!matches_of(self, t->kind, value, &t->expected, &tensor_ptr[j])) return 0;
     }
     return 1;
 }
@@ -287,7 +321,8 @@ static PyObject *FastRun_call(FastRun *self, PyObject *args, PyObject *kwargs) {
         Py_RETURN_NONE;
     PyObject *arrays[NUM_ARRAYS] = {q, PySequence_Fast_GET_ITEM(kv_cache, 0),
                                     PySequence_Fast_GET_ITEM(kv_cache, 1), out};
-    int same = same_params(self->params, params);
+    uintptr_t tensor_ptr[MAX_TENSOR_PARAMS];
+    int same = same_params(self, params, tensor_ptr);
     if (same == 1) same = same_scale(self->sm_scale, sm_scale);
     if (same != 1) {
         if (same < 0) return NULL;
@@ -328,6 +363,8 @@ static PyObject *FastRun_call(FastRun *self, PyObject *args, PyObject *kwargs) {
         Launch *l = &self->launches[i];
         for (int a = 0; a < NUM_ARRAYS; a++)
             if (l->slot[a] >= 0) l->values[l->slot[a]] = ptr[a];
+        for (int j = 0; j < self->num_tensors; j++)
+            l->values[l->params0 + self->tensors[j].index] = tensor_ptr[j];
         /* The driver copies the values at launch: the next call may rewrite them. */
         if (l->dependent) {
             LaunchAttribute attr = {ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, {0}, {{0}}};
@@ -361,16 +398,65 @@ static PyObject *FastRun_call(FastRun *self, PyObject *args, PyObject *kwargs) {
     return result;
 }
 
+/* The validated call's params (FastRun's `params` argument): its scalars as given, its
+ * device arrays read now. */
+static int init_params(FastRun *self, PyObject *params) {
+    if (params == Py_None) {
+        Py_INCREF(Py_None);
+        self->params = Py_None;
+        return 0;
+    }
+    PyObject *scalars, *tensors;
+    if (!PyArg_ParseTuple(params, "O!O!", &PyTuple_Type, &scalars, &PyTuple_Type, &tensors))
+        return -1;
+    Py_INCREF(scalars);
+    self->params = scalars;
+    Py_ssize_t n = PyTuple_GET_SIZE(tensors);
+    if (n > MAX_TENSOR_PARAMS) {
+        PyErr_SetString(PyExc_ValueError, "FastRun: too many device-array params");
+        return -1;
+    }
+    self->num_params = PyTuple_GET_SIZE(scalars) + n;
+    for (Py_ssize_t j = 0; j < n; j++) {
+        TensorParam *t = &self->tensors[self->num_tensors];
+        PyObject *name, *array;
+        uintptr_t ptr;
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(tensors, j), "UOii", &name, &array, &t->kind,
+                              &t->index))
+            return -1;
+        if ((t->kind != ARRAY_TORCH && t->kind != ARRAY_CUPY) || t->index < 0) {
+            PyErr_SetString(PyExc_ValueError, "FastRun: a device-array param's kind or index");
+            return -1;
+        }
+        if (read_array_of(self, t->kind, array, &t->expected, &ptr) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_ValueError, "FastRun: a param's array cannot be read");
+            return -1;
+        }
+        Py_INCREF(name);
+        t->name = name;
+        if (self->dlpack == NULL || t->kind != ARRAY_TORCH) {  /* dtype compared by identity */
+            t->dtype = (PyObject *)t->expected.dtype;
+            Py_INCREF(t->dtype);
+        }
+        self->num_tensors++;
+    }
+    return 0;
+}
+
 /* FastRun(array_kind, dlpack_api, arrays, params, sm_scale, launches, stream_fn, empty_like,
  *         waited, context, copy_stream, run_done, driver)
  * dlpack_api: the arrays' type's __dlpack_c_exchange_api__ capsule, or None;
  * arrays: the validated call's q, k_cache, v_cache, out (None: allocate one per call);
- * launches: (fn, grid3, block3, smem, slots4, packed bytes, dependent) each;
+ * params: None, or (scalars, tensors) of its params dict: ((name, type, value), ...) and
+ * ((name, array, kind, index), ...) (kind: ARRAY_TORCH or ARRAY_CUPY; index: the param's
+ * place among the variant's);
+ * launches: (fn, grid3, block3, smem, slots4, params0, packed bytes, dependent) each;
  * driver: addresses of cuLaunchKernel, cuStreamIsCapturing, cuCtxGetCurrent,
  * cuEventRecord, cuGetErrorName (0: no names in errors), cuLaunchKernelEx (0: none; then
  * no launch may be dependent). */
 static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
-    PyObject *api, *arrays, *launches, *driver;
+    PyObject *api, *arrays, *params, *launches, *driver;
     unsigned long long context, copy_stream, run_done;
     if (kwargs != NULL && PyDict_GET_SIZE(kwargs) != 0) {
         PyErr_SetString(PyExc_TypeError, "FastRun takes positional arguments only");
@@ -381,11 +467,10 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
         return -1;
     }
     if (!PyArg_ParseTuple(args, "iOO!OOO!OOO!KKKO!", &self->array_kind, &api, &PyTuple_Type,
-                          &arrays, &self->params, &self->sm_scale, &PyTuple_Type, &launches,
+                          &arrays, &params, &self->sm_scale, &PyTuple_Type, &launches,
                           &self->stream_fn, &self->empty_like, &PySet_Type, &self->waited,
                           &context, &copy_stream, &run_done, &PyTuple_Type, &driver))
         return -1;
-    Py_INCREF(self->params);
     Py_INCREF(self->sm_scale);
     Py_INCREF(self->stream_fn);
     Py_INCREF(self->empty_like);
@@ -401,6 +486,7 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
             dlpack->current_work_stream != NULL)
             self->dlpack = dlpack;  /* another major version: the attribute path */
     }
+    if (init_params(self, params) < 0) return -1;
     self->allocate = PyTuple_GET_ITEM(arrays, OUT) == Py_None;
     for (int i = 0; i < NUM_ARRAYS - self->allocate; i++) {
         uintptr_t ptr;
@@ -440,10 +526,11 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
         Launch *l = &self->launches[self->num_launches];
         unsigned long long fn;
         Py_buffer packed;
-        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)(III)I(iiii)y*p", &fn,
+        if (!PyArg_ParseTuple(PyTuple_GET_ITEM(launches, i), "K(III)(III)I(iiii)iy*p", &fn,
                               &l->grid[0], &l->grid[1], &l->grid[2], &l->block[0],
                               &l->block[1], &l->block[2], &l->smem, &l->slot[Q], &l->slot[K],
-                              &l->slot[V], &l->slot[OUT], &packed, &l->dependent))
+                              &l->slot[V], &l->slot[OUT], &l->params0, &packed,
+                              &l->dependent))
             return -1;
         if (l->dependent && self->launch_ex == NULL) {
             PyBuffer_Release(&packed);
@@ -453,6 +540,8 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
         Py_ssize_t slots = packed.len / 8;
         int bad = packed.len % 8 != 0 || slots == 0;
         for (int a = 0; a < NUM_ARRAYS; a++) bad |= l->slot[a] >= slots;
+        for (int j = 0; j < self->num_tensors; j++)
+            bad |= l->params0 < 0 || l->params0 + self->tensors[j].index >= slots;
         if (bad) {
             PyBuffer_Release(&packed);
             PyErr_SetString(PyExc_ValueError, "FastRun: packed arguments are 8-byte slots");
@@ -478,6 +567,10 @@ static int FastRun_init(FastRun *self, PyObject *args, PyObject *kwargs) {
 
 static void FastRun_dealloc(FastRun *self) {
     for (int i = 0; i < NUM_ARRAYS; i++) Py_XDECREF(self->dtypes[i]);
+    for (int j = 0; j < self->num_tensors; j++) {
+        Py_XDECREF(self->tensors[j].name);
+        Py_XDECREF(self->tensors[j].dtype);
+    }
     Py_XDECREF(self->params);
     Py_XDECREF(self->sm_scale);
     Py_XDECREF(self->stream_fn);

@@ -142,19 +142,32 @@ def current_context() -> int:
 TORCH, CUPY = 0, 1  # hostpath.c's array kinds
 
 
-def fast_run(module: ModuleType, *, arrays, params, sm_scale, launches, device: int,
-             waited: set, copy_stream: int, run_done: int, head_dim_vo: int | None = None):
+def fast_run(module: ModuleType, *, arrays, params, tensor_params=(), sm_scale, launches,
+             device: int, waited: set, copy_stream: int, run_done: int,
+             head_dim_vo: int | None = None):
     """A FastRun for one validated call of the current plan, or None where the C path does
-    not take such calls (arrays other than torch tensors / CuPy arrays, or a mix).
+    not take such calls (arrays other than torch tensors / CuPy arrays, or a mix; a device
+    param that is neither).
 
     arrays: the call's q, k_cache, v_cache, out (None when run() allocated it); params: None
-    or ((name, type, value), ...) of the scalar params; launches: the plan's
-    `launches.Launch`es, packed for this call; head_dim_vo: the output's head dim (None: q's).
+    or the call's params dict, of numbers and device arrays; tensor_params: ((index, name),
+    ...) of its device arrays, index their place among the variant's params (CheckedCall's);
+    launches: the plan's `launches.Launch`es, packed for this call; head_dim_vo: the
+    output's head dim (None: q's).
     """
     kinds = {_array_kind(x) for x in arrays if x is not None}
     if len(kinds) != 1 or None in kinds:
         return None
     kind = kinds.pop()
+    spec = None
+    if params is not None:
+        tensors = tuple((name, params[name], _array_kind(params[name]), index)
+                        for index, name in tensor_params)
+        if any(t[2] is None for t in tensors):
+            return None
+        names = {name for _, name in tensor_params}
+        spec = (tuple((name, type(value), value) for name, value in params.items()
+                      if name not in names), tensors)
     api = None
     if kind == TORCH:
         torch = sys.modules["torch"]
@@ -180,7 +193,7 @@ def fast_run(module: ModuleType, *, arrays, params, sm_scale, launches, device: 
         return None
     packed = tuple((launch.fn, launch.grid, launch.block, launch.smem, *launch.args.snapshot(),
                     launch.dependent) for launch in launches)
-    return module.FastRun(kind, api, tuple(arrays), params, sm_scale, packed, stream_fn,
+    return module.FastRun(kind, api, tuple(arrays), spec, sm_scale, packed, stream_fn,
                           empty_like, waited, context, copy_stream, run_done,
                           driver_entry_points())
 

@@ -237,11 +237,12 @@ class PackedArgs:
         for i, (_, value) in enumerate(params, self._scale + 1):
             self._store(i, value)
 
-    def snapshot(self) -> tuple[tuple[int, int, int, int], bytes]:
-        """(the slots of q, k_cache, v_cache, out: -1 where the kernel has none; the packed
-        bytes as they are now), what hostpath.FastRun launches from."""
+    def snapshot(self) -> tuple[tuple[int, int, int, int], int, bytes]:
+        """(the slots of q, k_cache, v_cache, out: -1 where the kernel has none; the slot of
+        the variant's first param; the packed bytes as they are now), what hostpath.FastRun
+        launches from."""
         slots = (-1, -1, -1, _MERGE_OUT_SLOT) if self._kind == "merge" else (0, 1, 2, 3)
-        return slots, bytes(self._bytes)
+        return slots, self._scale + 1, bytes(self._bytes)
 
     def values(self) -> tuple:
         """The packed arguments as kernel_args returns them (for tests)."""

@@ -236,6 +236,58 @@ def test_fp8_decode_on_tensor_cores_row_hooks(cp, error_log, head_dim, group, pa
         assert plan.prefill.num_work_items == 0 and plan.decode.num_work_items > 0
 
 
+def test_fp8_scales_through_the_c_path(cp, error_log):
+    """Repeated run() calls with an fp8 cache take the C path (hostpath.c) once one has been
+    validated: device scales (torch tensors) and the variant's own device param are read
+    again per call, new values included; float scales ride as CuPy arrays beside torch
+    tensors."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(73)
+    qo, kv = np.array([1, 1, 1]), np.array([700, 40, 1500])
+    variant = attnlang.load(VARIANT_PATHS["alibi"])  # slopes: float[heads], a device array
+    batch = make_batch(rng, qo, kv, 8, 2, 128, 16, "bfloat16")
+    (k_bits, k_seen, k_scale), (v_bits, v_seen, v_scale) = quantize(rng, batch, 2)
+    params = make_params(variant, rng, qo, kv, 8, 2, 128)
+    attn = attnlang.BatchAttention(variant, 8, 2, 128, kv_dtype="fp8", max_batch_size=4,
+                                   max_total_q=16)
+    attn.plan(*batch.table)
+    q = torch.from_dlpack(to_device(cp, batch.q, "bfloat16")).view(torch.bfloat16)
+    kc = torch.from_dlpack(cp.asarray(k_bits)).view(torch.float8_e4m3fn)
+    vc = torch.from_dlpack(cp.asarray(v_bits)).view(torch.float8_e4m3fn)
+    device_params = {name: torch.as_tensor(np.asarray(value, dtype=np.float32), device="cuda")
+                     for name, value in params.items()}  # alibi's slopes
+
+    def check(got, factor, where):
+        ref, _ = attention_paged(variant, batch.q, k_seen * factor, v_seen * factor,
+                                 *batch.table, params=params)
+        host = from_device(cp, cp.from_dlpack(got.view(torch.uint16)), "bfloat16")
+        err = rel_l2(host, ref)
+        error_log("bfloat16", err, where)
+        assert err <= TOLERANCE["bfloat16"], f"{where}: relative L2 error {err:.2e}"
+
+    def took_c_path():
+        ran = any(f.ran or f.ran_on_copy_stream for f in attn._fast_runs.values())
+        attn._absorb_fast_flags()  # reset for the next call
+        return ran
+
+    for factor in (1.0, 2.0, 0.5):  # new scale tensors per call, the same signature
+        ks = torch.as_tensor(k_scale * factor, device="cuda")
+        vs = torch.as_tensor(v_scale * factor, device="cuda")
+        got = attn.run(q, (kc, vc), device_params, k_scale=ks, v_scale=vs)
+        check(got, factor, f"fp8 C path, device scales x{factor}")
+        assert took_c_path() == (factor != 1.0 and attn._hostpath is not None)
+    # one float per tensor: a cached CuPy array of that value per KV head
+    single = (float(k_scale.max()), float(v_scale.max()))
+    k_bits, v_bits = to_e4m3(batch.k_cache / single[0]), to_e4m3(batch.v_cache / single[1])
+    k_seen, v_seen = from_e4m3(k_bits) * single[0], from_e4m3(v_bits) * single[1]
+    kc1 = torch.from_dlpack(cp.asarray(k_bits)).view(torch.float8_e4m3fn)
+    vc1 = torch.from_dlpack(cp.asarray(v_bits)).view(torch.float8_e4m3fn)
+    for call in range(2):
+        got = attn.run(q, (kc1, vc1), device_params, k_scale=single[0], v_scale=single[1])
+        check(got, 1.0, f"fp8 C path, float scales, call {call}")
+        assert took_c_path() == (call == 1 and attn._hostpath is not None)
+
+
 def test_fp8_float_scales(cp, error_log):
     # one float per tensor (one KV head, so the batch's per-head scale is one value)
     for group in (1, 4):

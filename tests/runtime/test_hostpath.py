@@ -134,7 +134,7 @@ def test_fake_tensors_without_torch(module):
     driver = FakeDriver()
     q, k, v, o = (FakeTensor(s, a) for s, a in (((4, 8, 16), 0x100), ((6, 2, 2, 16), 0x200),
                                                  ((6, 2, 2, 16), 0x300), ((4, 8, 16), 0x400)))
-    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, (0, 1, 2, 3), PACKED, False),)
+    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, (0, 1, 2, 3), 6, PACKED, False),)
     fast = module.FastRun(hostpath.TORCH, None, (q, k, v, o), None, None, launches,
                           lambda: COPY_STREAM, None, set(), CONTEXT, COPY_STREAM, RUN_DONE,
                           driver.addresses)
@@ -156,13 +156,16 @@ def arrays():
 PACKED = struct.pack(f"<{SLOTS}Q", 0, 0, 0, 0, 0xAAA0, 11, 22, 33)
 
 
-def make(module, driver, reader, *, out=True, params=None, sm_scale=None, stream=None,
-         waited=(), merge=False):
-    """A FastRun validated on fresh arrays; the current stream is `stream` (attributes
-    reader; default: plan()'s copy stream)."""
-    q, k, v, o = arrays()
+def make(module, driver, reader, *, out=True, scalars=None, tensors=(), sm_scale=None,
+         stream=None, waited=(), merge=False, validated=None):
+    """A FastRun validated on fresh arrays (or `validated`); the current stream is `stream`
+    (attributes reader; default: plan()'s copy stream). Params: None, or the scalars
+    ((name, type, value), ...) and device arrays ((name, array, kind, index), ...); the
+    variant's params start at slot 6 (the merge kernel's at 7: its out is slot 6)."""
+    q, k, v, o = validated or arrays()
     slots = (-1, -1, -1, 6) if merge else (0, 1, 2, 3)
-    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, slots, PACKED, merge),)
+    launches = ((FN, (5, 1, 1), (128, 1, 1), 1024, slots, 7 if merge else 6, PACKED, merge),)
+    params = None if scalars is None and not tensors else (scalars or (), tuple(tensors))
     api = DLPACK_API if reader == "dlpack" else None
     copy_stream = 0 if reader == "dlpack" else COPY_STREAM
     current = copy_stream if stream is None else stream
@@ -217,6 +220,50 @@ def test_a_dependent_launch_goes_through_launch_kernel_ex(module, reader):
         fast(q, (k, v), None, o, None)
 
 
+class FakeCupy:
+    """What FastRun's attribute reader reads of a CuPy array."""
+
+    def __init__(self, shape, address, dtype="float32"):
+        self.shape, self.dtype = tuple(shape), dtype
+        self.strides = tuple(4 * n for n in (shape[1:] + (1,)))[:len(shape)]
+        self.device = type("Device", (), {"id": 0})()
+        self.data = type("Memory", (), {"ptr": address})()
+
+
+def test_device_array_params_are_read_again_per_call(module, reader):
+    # an fp8 cache's scales (CuPy arrays beside torch tensors where the scale was a float)
+    # and a torch tensor param: each call's addresses land in the variant's param slots
+    driver = FakeDriver()
+    slopes = torch.randn(8)
+    k_scale, v_scale = FakeCupy((2,), 0x7000), FakeCupy((2,), 0x7100)
+    fast = make(module, driver, reader, scalars=(("cap", float, 30.0),),
+                tensors=(("slopes", slopes, hostpath.TORCH, 0),
+                         ("k_scale", k_scale, hostpath.CUPY, 1)))
+    q, k, v, o = arrays()
+    slopes2, k_scale2 = torch.randn(8), FakeCupy((2,), 0x7200)
+    assert fast(q, (k, v), {"cap": 30.0, "slopes": slopes2, "k_scale": k_scale2}, o, None) is o
+    assert driver.launches[0][5][6:] == [slopes2.data_ptr(), 0x7200]
+    for params in ({"cap": 30.0, "slopes": torch.randn(4), "k_scale": k_scale2},  # shape
+                   {"cap": 30.0, "slopes": slopes2.double(), "k_scale": k_scale2},  # dtype
+                   {"cap": 30.0, "slopes": slopes2, "k_scale": FakeCupy((3,), 0x7200)},
+                   {"cap": 30.0, "slopes": slopes2, "k_scale": v_scale.data},  # not an array
+                   {"cap": 30.0, "slopes": slopes2}, {"cap": 30.0, "k_scale": k_scale2,
+                                                      "scales": slopes2},
+                   {"cap": 29.0, "slopes": slopes2, "k_scale": k_scale2}, None):
+        assert fast(q, (k, v), params, o, None) is None, params
+    assert len(driver.launches) == 1
+
+
+def test_device_array_params_of_the_merge_kernel(module, reader):
+    driver = FakeDriver()
+    scale = FakeCupy((2,), 0x7000)
+    fast = make(module, driver, reader, tensors=(("v_scale", scale, hostpath.CUPY, 0),),
+                merge=True)
+    q, k, v, o = arrays()
+    fast(q, (k, v), {"v_scale": FakeCupy((2,), 0x7300)}, o, None)
+    assert driver.launches[0][5] == [0, 0, 0, 0, 0xAAA0, 11, o.data_ptr(), 0x7300]
+
+
 def test_another_stream_records_run_done_once_ordered(module):
     if torch is None:
         pytest.skip("needs torch")
@@ -231,7 +278,7 @@ def test_another_stream_records_run_done_once_ordered(module):
 
 def test_scalar_params_and_sm_scale_must_match_exactly(module, reader):
     driver = FakeDriver()
-    fast = make(module, driver, reader, params=(("cap", float, 30.0), ("n", int, 3)),
+    fast = make(module, driver, reader, scalars=(("cap", float, 30.0), ("n", int, 3)),
                 sm_scale=0.5)
     q, k, v, o = arrays()
     assert fast(q, (k, v), {"cap": 30.0, "n": 3}, o, 0.5) is o
@@ -283,11 +330,13 @@ def test_bad_construction_is_refused(module):
                        1, 0, 0, driver.addresses)
     with pytest.raises(ValueError, match="8-byte slots"):
         module.FastRun(0, None, (q, k, v, o), None, None,
-                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), b"\0" * 12, False),),
+                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), 6, b"\0" * 12, False),),
                        lambda: 0, torch.empty_like, set(), 1, 0, 0, driver.addresses)
+    with pytest.raises(ValueError, match="8-byte slots"):  # a param slot past the arguments
+        make(module, driver, "attributes", tensors=(("t", torch.randn(2), hostpath.TORCH, 2),))
     with pytest.raises(ValueError, match="needs cuLaunchKernelEx"):
         module.FastRun(0, None, (q, k, v, o), None, None,
-                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), PACKED, True),),
+                       ((FN, (1, 1, 1), (1, 1, 1), 0, (0, 1, 2, 3), 6, PACKED, True),),
                        lambda: 0, torch.empty_like, set(), 1, 0, 0, driver.addresses[:5] + (0,))
 
 
