@@ -8,8 +8,9 @@ tokens of context, 32 query / 8 KV heads, head_dim 128, bf16, page 16). Reported
   synchronize inside the step), median over all calls of all timed steps. For attnlang with
   torch tensors (the users' case), with CuPy arrays, and with a preallocated out=, on its C
   path (runtime/hostpath.c) and, for comparison, its Python path (ATTNLANG_HOST_PATH=python);
-  for FlashInfer's BatchDecodeWithPagedKVCacheWrapper.run (out= preallocated, as its users
-  do).
+  the same with an fp8 cache (e4m3, per-head scales as device tensors: tensor params), on
+  both paths; for FlashInfer's BatchDecodeWithPagedKVCacheWrapper.run (out= preallocated, as
+  its users do).
 - step wall time: plan + 32 runs + a synchronize, median over steps.
 - kernel time: the 32 runs captured in one CUDA graph and replayed (CUDA events), per layer.
 - plan() host time for 1, 2, 4, ..., 256 requests of 1024 tokens, each with its copy to the
@@ -40,6 +41,19 @@ def decode_layout(np, batch: int, context: int = CONTEXT):
     pages = context // PAGE
     return (np.arange(batch + 1, dtype=np.int32), np.arange(batch + 1, dtype=np.int32) * pages,
             np.arange(batch * pages, dtype=np.int32), np.full(batch, PAGE, dtype=np.int32))
+
+
+def on_python_path(make):
+    """make() while ATTNLANG_HOST_PATH=python (a BatchAttention reads it when it is made)."""
+    chosen = os.environ.get("ATTNLANG_HOST_PATH")
+    os.environ["ATTNLANG_HOST_PATH"] = "python"
+    try:
+        return make()
+    finally:
+        if chosen is None:
+            del os.environ["ATTNLANG_HOST_PATH"]
+        else:
+            os.environ["ATTNLANG_HOST_PATH"] = chosen
 
 
 def time_steps(plan, runs, steps: int, sync) -> tuple[float, float]:
@@ -97,13 +111,15 @@ def main() -> None:
 
     causal = al.load(str(C.REPO_ROOT / "examples" / "causal.attn"))
     attn = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE)
-    chosen = os.environ.get("ATTNLANG_HOST_PATH")
-    os.environ["ATTNLANG_HOST_PATH"] = "python"  # a second one on run()'s Python path
-    attn_py = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE)
-    if chosen is None:
-        del os.environ["ATTNLANG_HOST_PATH"]
-    else:
-        os.environ["ATTNLANG_HOST_PATH"] = chosen
+    attn_py = on_python_path(lambda: al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16",
+                                                       PAGE))
+    # An fp8 cache: the same values in e4m3 over one scale per KV head (device tensors).
+    fp8 = al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16", PAGE, kv_dtype="fp8")
+    fp8_py = on_python_path(lambda: al.BatchAttention(causal, HQ, HKV, HEAD_DIM, "bfloat16",
+                                                      PAGE, kv_dtype="fp8"))
+    scale = torch.full((HKV,), 4.0 / 448.0, device="cuda")
+    fp8_caches = [tuple((x / scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
+                        for x in kv) for kv in caches]
     c_path = attn._hostpath is not None
     C.log(f"run()'s C path: {'built' if c_path else hostpath.unavailable_reason()}")
     results["c_path"] = c_path
@@ -114,14 +130,26 @@ def main() -> None:
     def py_plan():
         attn_py.plan(*layout)
 
+    def fp8_plan():
+        fp8.plan(*layout)
+
+    def fp8_py_plan():
+        fp8_py.plan(*layout)
+
     # Correctness first: every layer, twice (the second time through the C path when it is
     # built), equal to the Python path's calls, which validate each signature in full.
     al_plan()
     py_plan()
+    fp8_plan()
+    fp8_py_plan()
     for _ in range(2):
         for i in range(LAYERS):
             assert torch.equal(attn.run(qs[i], caches[i]), attn_py.run(qs[i], caches[i])), (
                 f"layer {i}: run() differs from its Python path")
+            assert torch.equal(
+                fp8.run(qs[i], fp8_caches[i], k_scale=scale, v_scale=scale),
+                fp8_py.run(qs[i], fp8_caches[i], k_scale=scale, v_scale=scale)), (
+                f"layer {i}: run() with an fp8 cache differs from its Python path")
 
     def as_cupy(t):  # bf16 bits as uint16 (CuPy without ml_dtypes)
         return cupy.asarray(t.view(torch.int16)).view(cupy.uint16)
@@ -135,8 +163,15 @@ def main() -> None:
         "attnlang (CuPy)": [lambda i=i: attn.run(cq[i], cc[i]) for i in range(LAYERS)],
         "attnlang Python path (torch, out=)": [
             lambda i=i: attn_py.run(qs[i], caches[i], out=outs[i]) for i in range(LAYERS)],
+        "attnlang fp8 cache (torch, out=)": [
+            lambda i=i: fp8.run(qs[i], fp8_caches[i], out=outs[i], k_scale=scale,
+                                v_scale=scale) for i in range(LAYERS)],
+        "attnlang fp8 cache, Python path (torch, out=)": [
+            lambda i=i: fp8_py.run(qs[i], fp8_caches[i], out=outs[i], k_scale=scale,
+                                   v_scale=scale) for i in range(LAYERS)],
     }
-    plans = {name: py_plan if "Python path" in name else al_plan for name in contenders}
+    plans = {name: (fp8_py_plan if "Python path" in name else fp8_plan) if "fp8" in name
+             else (py_plan if "Python path" in name else al_plan) for name in contenders}
     if fi is not None:
         ws = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
         wrapper = fi.BatchDecodeWithPagedKVCacheWrapper(ws, "NHD")
