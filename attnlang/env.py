@@ -18,10 +18,10 @@ knob                            meaning (default)
                                 there, for debugging (off)
 ``ATTNLANG_HOST_PATH``          ``python``: run() never uses its C path (``c``: it does
                                 when a C compiler and Python's headers are there)
-``ATTNLANG_DEPENDENT_LAUNCH``   ``0``/``false``/``no``/``off``: the merge kernel waits for
-                                the attention kernels to finish before it launches (on:
-                                on sm_90+ it starts beside them, programmatic dependent
-                                launch; read when a BatchAttention is made)
+``ATTNLANG_DEPENDENT_LAUNCH``   ``0``/``false``/``no``/``off``: run()'s kernels launch only
+                                once the kernel before each has finished (on: on sm_90+
+                                they are programmatic dependent launches, started beside
+                                it; read when a BatchAttention is made)
 ==============================  ===========================================================
 
 attnlang also reads two standard CUDA variables, ``CUDA_PATH`` and ``CUDA_HOME``, as places
@@ -101,6 +101,6 @@ def host_path() -> str:
 
 def dependent_launch() -> bool:
     """``ATTNLANG_DEPENDENT_LAUNCH``: False when set to ``0``/``false``/``no``/``off``, else
-    True (the default): the merge kernel is a programmatic dependent launch on sm_90+."""
+    True (the default): run()'s kernels are programmatic dependent launches on sm_90+."""
     value = _get("ATTNLANG_DEPENDENT_LAUNCH")
     return value is None or value.lower() not in _FALSE

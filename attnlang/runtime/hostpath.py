@@ -34,7 +34,7 @@ from .. import env
 
 SOURCE = Path(__file__).with_name("hostpath.c")
 # The driver entry points FastRun calls, in its order (cuGetErrorName only names errors;
-# cuLaunchKernelEx, CUDA 11.8+, only the merge kernel's dependent launch).
+# cuLaunchKernelEx, CUDA 11.8+, the dependent launches of sm_90+ modules).
 DRIVER_FUNCTIONS = ("cuLaunchKernel", "cuStreamIsCapturing", "cuCtxGetCurrent",
                     "cuEventRecord", "cuGetErrorName", "cuLaunchKernelEx")
 

@@ -109,8 +109,8 @@ def merge_grid(kernels: Kernels, max_merge_rows: int) -> int:
 
 
 def dependent_launch(arch: str) -> bool:
-    """Is the merge kernel of a module built for `arch` launched as a programmatic dependent
-    of the attention kernel before it? On sm_90+ (where its `griddepcontrol.wait` is
+    """Are the kernels of a module built for `arch` launched as programmatic dependents of the
+    kernel before each in the stream? On sm_90+ (where their `griddepcontrol.wait` is
     compiled in: common.cuh's dependent launch), unless ATTNLANG_DEPENDENT_LAUNCH is off.
     ``dependent_launch("sm_90a")`` -> True, ``dependent_launch("sm_80")`` -> False."""
     m = re.fullmatch(r"sm_(\d+)[af]?", arch)
@@ -121,7 +121,7 @@ def pack_launches(kernels: Kernels, workspace: dict[str, int], shape: AttentionS
                   num_params: int, merge_ctas: int) -> dict[str, Launch]:
     """Each kernel's `Launch`, its arguments packed once (run() rewrites pointers and
     params). In launch order: the cascade kernel first, the merge kernel last (it reads the
-    others' partial states; a dependent launch where `dependent_launch` says so)."""
+    others' partial states). Dependent launches where `dependent_launch` says so."""
     grids = {"cascade": kernels.num_prefill_ctas, "decode": kernels.num_ctas,
              "prefill": kernels.num_prefill_ctas, "merge": merge_ctas}
     dependent = dependent_launch(kernels.arch)
@@ -135,7 +135,7 @@ def pack_launches(kernels: Kernels, workspace: dict[str, int], shape: AttentionS
                             num_params=num_params)
         grid, block, smem = (int(grids[kind]), 1, 1), _block3(cfg.block), int(cfg.smem_bytes)
         launches[kind] = Launch(kernels.functions[kind].ptr, grid, block, smem, packed)
-        if dependent and kind == "merge":
+        if dependent:
             launches[kind] = launches[kind]._replace(
                 dependent=True, ex_config=_dependent_config(grid, block, smem))
     return launches

@@ -33,14 +33,14 @@ def _kernels(arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_80"])
-def test_only_the_merge_launch_is_dependent(arch, monkeypatch):
+def test_every_launch_is_dependent_where_the_kernels_wait(arch, monkeypatch):
     monkeypatch.delenv("ATTNLANG_DEPENDENT_LAUNCH", raising=False)
     ws = {name: 10_000 + i for i, name in enumerate([*_SECTIONS, "partial_o", "partial_lse"])}
     shape = AttentionShape(32, 8, 128, "bfloat16", 16)
     got = L.pack_launches(_kernels(arch), ws, shape, num_params=0, merge_ctas=40)
     assert list(got) == ["decode", "prefill", "merge"]  # launch order: merge last
     assert {kind: one.dependent for kind, one in got.items()} == {
-        "decode": False, "prefill": False, "merge": arch == "sm_90a"}
+        "decode": arch == "sm_90a", "prefill": arch == "sm_90a", "merge": arch == "sm_90a"}
     assert got["merge"].grid == (40, 1, 1) and got["decode"].grid == (264, 1, 1)
     assert got["merge"].fn == 0x300
     config = got["merge"].ex_config  # cuLaunchKernelEx's, where dependent

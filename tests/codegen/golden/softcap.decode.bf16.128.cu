@@ -1756,7 +1756,8 @@ decode(const __nv_bfloat16* __restrict__ q,
   using namespace attnlang::decode_kernel;
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_cap};
-  launch_dependents();  // the merge kernel may start its CTAs (common.cuh; sm_90+)
+  launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
+  wait_for_prerequisites();  // ... and this one reads nothing before the one before is done
 
   // Thread layout (see the symbols above).
   const int tx = threadIdx.x;
