@@ -808,13 +808,14 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 
 // ---------------------------------------------------------------------------- dependent launch
 //
-// Programmatic dependent launch (sm_90+; no-ops before): the merge kernel is launched with
-// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (attnlang.runtime.launches), so its
-// CTAs may start while the attention kernel before it still runs, once every CTA of that
-// kernel has called launch_dependents. They read what the plan alone decides (its arrays were
-// copied before either kernel) and then wait_for_prerequisites: it returns once the kernel
-// before has completed and its writes are visible. A kernel launched without the attribute
-// returns from the wait at once (its predecessors are complete).
+// Programmatic dependent launch (sm_90+; no-ops before): run() launches every kernel with
+// CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION (attnlang.runtime.launches), so a
+// kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
+// of that one has called launch_dependents (which each of attnlang's kernels does first) or
+// exited. wait_for_prerequisites returns once the kernel before has completed and its writes
+// are visible: the attention kernels call it before anything else, the merge kernel once it
+// has read what the plan alone decides (its arrays were copied before either kernel ran). A
+// kernel launched without the attribute returns from the wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1178,13 +1179,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 9 "examples/flash_sigmoid.attn"
   return attnlang::sigmoid((s + p.u_bias));
 }
-#line 1182 "flash_sigmoid_decode.cu"
+#line 1183 "flash_sigmoid_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/flash_sigmoid.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1188 "flash_sigmoid_decode.cu"
+#line 1189 "flash_sigmoid_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1194,7 +1195,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/flash_sigmoid.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1198 "flash_sigmoid_decode.cu"
+#line 1199 "flash_sigmoid_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
