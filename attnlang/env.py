@@ -25,7 +25,7 @@ knob                            meaning (default)
 ==============================  ===========================================================
 
 attnlang also reads two standard CUDA variables, ``CUDA_PATH`` and ``CUDA_HOME``, as places
-to look for CUDA's headers (`attnlang.runtime.compiler.cuda_include_dirs`).
+to look for CUDA's headers (`attnlang.runtime.toolchain.cuda_include_dirs`).
 """
 
 from __future__ import annotations

@@ -18,6 +18,7 @@ import pytest
 
 from attnlang import env
 from attnlang.runtime import cache, compiler
+from attnlang.runtime import toolchain as tc
 from attnlang.runtime.compiler import CompileError, Cubin, compile_source
 
 
@@ -54,7 +55,7 @@ extern "C" __global__ void widen(const __nv_bfloat16* x, __half* y, int n) {
 def reset_compiler_state() -> None:
     """Forget everything this process compiled, so the next compile starts cold."""
     cache.clear_memory_cache()
-    compiler._TOOLCHAINS.clear()
+    tc._TOOLCHAINS.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -220,12 +221,12 @@ def test_a_cache_hit_imports_no_cupy(fresh_cache, monkeypatch):
     # memo is ignored; clear_cache forgets it.
     chain = compiler.toolchain()
     memo.write_text("{not json")
-    compiler._TOOLCHAINS.clear()
+    tc._TOOLCHAINS.clear()
     assert compiler.toolchain() == chain
-    probe = compiler._installation_probe()
-    assert compiler._read_memo(memo, probe) == chain
+    probe = tc._installation_probe()
+    assert tc._read_memo(memo, probe) == chain
     monkeypatch.setenv("CUDA_HOME", os.environ.get("CUDA_HOME", "") + "/elsewhere")
-    assert compiler._read_memo(memo, compiler._installation_probe()) is None
+    assert tc._read_memo(memo, tc._installation_probe()) is None
     cache.clear_cache()
     assert not memo.exists()
 
@@ -363,10 +364,10 @@ def _fake_headers(directory: Path, version: int) -> str:
 @pytest.fixture
 def discovery(monkeypatch):
     """Header discovery with the candidate list and NVRTC version under test control."""
-    monkeypatch.setattr(compiler, "nvrtc_version", lambda: (12, 9))
-    compiler._discover.cache_clear()
+    monkeypatch.setattr(tc, "nvrtc_version", lambda: (12, 9))
+    tc._discover.cache_clear()
     yield
-    compiler._discover.cache_clear()
+    tc._discover.cache_clear()
 
 
 def test_headers_matching_nvrtc_are_preferred(tmp_path, monkeypatch, discovery):
@@ -374,7 +375,7 @@ def test_headers_matching_nvrtc_are_preferred(tmp_path, monkeypatch, discovery):
     cu12 = _fake_headers(tmp_path / "cu12", 12090)
     empty = tmp_path / "empty"
     empty.mkdir()
-    monkeypatch.setattr(compiler, "_candidate_dirs", lambda *_: [str(empty), cu13, cu12])
+    monkeypatch.setattr(tc, "_candidate_dirs", lambda *_: [str(empty), cu13, cu12])
     assert compiler.cuda_include_dirs() == [cu12]
 
 
@@ -382,7 +383,7 @@ def test_env_include_dirs_come_first(tmp_path, monkeypatch, discovery):
     extra = _fake_headers(tmp_path / "mine", 13000)
     other = tmp_path / "other"
     other.mkdir()
-    monkeypatch.setattr(compiler, "_candidate_dirs", lambda *_: [str(tmp_path / "never")])
+    monkeypatch.setattr(tc, "_candidate_dirs", lambda *_: [str(tmp_path / "never")])
     monkeypatch.setenv("ATTNLANG_CUDA_INCLUDE", os.pathsep.join([str(other), extra]))
     assert env.cuda_include() == [str(other), extra]
     assert compiler.cuda_include_dirs() == [str(other), extra]
@@ -395,7 +396,7 @@ def test_missing_env_include_dir_is_an_error(tmp_path, monkeypatch, discovery):
 
 
 def test_no_headers_is_a_clear_error(tmp_path, monkeypatch, discovery):
-    monkeypatch.setattr(compiler, "_candidate_dirs", lambda *_: [str(tmp_path / "a")])
+    monkeypatch.setattr(tc, "_candidate_dirs", lambda *_: [str(tmp_path / "a")])
     with pytest.raises(compiler.ToolchainError) as info:
         compiler.cuda_include_dirs()
     message = str(info.value)
