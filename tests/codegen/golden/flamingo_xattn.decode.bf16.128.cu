@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1182,7 +1184,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/flamingo_xattn.attn"
   return ((attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192) != 0) && (attnlang::table_at(p.u_key_image, attnlang::Known{ix.batch}, 0, ix.kv_pos, 4096) == attnlang::table_at(p.u_text_image, attnlang::Known{ix.batch}, 0, (ix.q_pos - (ix.kv_len - ix.qo_len)), 8192)));
 }
-#line 1186 "flamingo_xattn_decode.cu"
+#line 1188 "flamingo_xattn_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1192,7 +1194,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/flamingo_xattn.attn"
   return tri_and(tri_ne(IvI::top(), IvI::point(0)), tri_eq(IvI::top(), IvI::top()));
 }
-#line 1196 "flamingo_xattn_decode.cu"
+#line 1198 "flamingo_xattn_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1179,7 +1181,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 22 "examples/natten_tiled.attn"
   return ((((((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) >= attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57)) && (((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) < (attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57) + 7))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) >= attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) < (attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57) + 7)));
 }
-#line 1183 "natten_tiled_decode.cu"
+#line 1185 "natten_tiled_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1189,7 +1191,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 22 "examples/natten_tiled.attn"
   return tri_and(tri_and(tri_and(tri_ge(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57))), tri_lt(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7)))), tri_ge(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)))), tri_lt(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7))));
 }
-#line 1193 "natten_tiled_decode.cu"
+#line 1195 "natten_tiled_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1199,7 +1201,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1203 "qk_norm_decode.cu"
+#line 1205 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1233,7 +1235,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1237 "qk_norm_decode.cu"
+#line 1239 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1244,7 +1246,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 11 "examples/qk_norm.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1248 "qk_norm_decode.cu"
+#line 1250 "qk_norm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1254,7 +1256,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 11 "examples/qk_norm.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1258 "qk_norm_decode.cu"
+#line 1260 "qk_norm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

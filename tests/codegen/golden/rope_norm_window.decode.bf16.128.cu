@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1198,7 +1200,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1202 "rope_norm_window_decode.cu"
+#line 1204 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1231,7 +1233,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1235 "rope_norm_window_decode.cu"
+#line 1237 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1240,13 +1242,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1244 "rope_norm_window_decode.cu"
+#line 1246 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1250 "rope_norm_window_decode.cu"
+#line 1252 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1268,14 +1270,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1272 "rope_norm_window_decode.cu"
+#line 1274 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1279 "rope_norm_window_decode.cu"
+#line 1281 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

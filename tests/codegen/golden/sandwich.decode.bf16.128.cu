@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1179,13 +1181,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 10 "examples/sandwich.attn"
   return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) * (1.0f / 128.0f)) * 13.287712379549449f))))); return acc; }())));
 }
-#line 1183 "sandwich_decode.cu"
+#line 1185 "sandwich_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/sandwich.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1189 "sandwich_decode.cu"
+#line 1191 "sandwich_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1195,7 +1197,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/sandwich.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1199 "sandwich_decode.cu"
+#line 1201 "sandwich_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1219,7 +1221,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 10 "examples/sandwich.attn"
   return (s + t);
 }
-#line 1223 "sandwich_decode.cu"
+#line 1225 "sandwich_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

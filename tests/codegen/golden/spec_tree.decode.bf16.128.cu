@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1181,7 +1183,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_bit(p.u_allowed, ix, (ix.q_pos - (ix.kv_len - ix.qo_len)), ix.kv_pos);
 }
-#line 1185 "spec_tree_decode.cu"
+#line 1187 "spec_tree_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1191,7 +1193,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_tile(p.u_allowed, ix, q_lo - (ix.kv_len - ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi);
 }
-#line 1195 "spec_tree_decode.cu"
+#line 1197 "spec_tree_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

@@ -813,9 +813,11 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // kernel's CTAs may start while the kernel before it in the stream still runs, once every CTA
 // of that one has called launch_dependents (which each of attnlang's kernels does first) or
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
-// are visible: the attention kernels call it before anything else, the merge kernel once it
-// has read what the plan alone decides (its arrays were copied before either kernel ran). A
-// kernel launched without the attribute returns from the wait at once.
+// are visible: a kernel reads before it only what the plan alone decides (its arrays were
+// copied before either kernel ran; never q, the cache or the params, which the hooks read):
+// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
+// other attention kernels nothing. A kernel launched without the attribute returns from the
+// wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -1179,7 +1181,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 13 "examples/swin_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
 }
-#line 1183 "swin_bias_decode.cu"
+#line 1185 "swin_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) { return true; }  // identity
 
