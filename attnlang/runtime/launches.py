@@ -134,10 +134,9 @@ def pack_launches(kernels: Kernels, workspace: dict[str, int], shape: AttentionS
                             num_kv_heads=shape.num_kv_heads, page_size=shape.page_size,
                             num_params=num_params)
         grid, block, smem = (int(grids[kind]), 1, 1), _block3(cfg.block), int(cfg.smem_bytes)
-        launches[kind] = Launch(kernels.functions[kind].ptr, grid, block, smem, packed)
-        if dependent:
-            launches[kind] = launches[kind]._replace(
-                dependent=True, ex_config=_dependent_config(grid, block, smem))
+        launches[kind] = Launch(kernels.functions[kind].ptr, grid, block, smem, packed,
+                                dependent, _dependent_config(grid, block, smem) if dependent
+                                else None)
     return launches
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from attnlang.runtime.planner import CapacityError
+from attnlang.runtime.plan_types import CapacityError
 
 __all__ = ["BLOCK_Q", "BLOCK_KV", "PairBlocks", "normalize", "pack", "packed_size",
            "plan_masks", "summaries", "tree_mask"]
@@ -79,7 +79,7 @@ def plan_masks(specs: Sequence[Any], params: Mapping[str, Any] | None,
     bool[q, kv]), packed for the kernels (`pack`) and summarised for the planner
     (`PairBlocks`: it trims and costs the work by them). Raises TypeError for params that are
     not a dict, ValueError for a missing mask or a param plan() does not take, and
-    planner.CapacityError for a packed mask over max_bytes."""
+    CapacityError for a packed mask over max_bytes."""
     params = {} if params is None else params
     if not isinstance(params, Mapping):
         raise TypeError(f"plan()'s params must be a dict, got {type(params).__name__}")
