@@ -22,6 +22,11 @@ knob                            meaning (default)
                                 once the kernel before each has finished (on: on sm_90+
                                 they are programmatic dependent launches, started beside
                                 it; read when a BatchAttention is made)
+``ATTNLANG_PREFILL_TMA``        ``0``/``false``/``no``/``off``: the prefill kernel's producer
+                                copies every tile with cp.async (on: whole tiles of a
+                                cache whose pages are a multiple of 16 tokens by TMA, on
+                                sm_90a at head dims 128 and 256; read when a
+                                BatchAttention is made)
 ==============================  ===========================================================
 
 attnlang also reads two standard CUDA variables, ``CUDA_PATH`` and ``CUDA_HOME``, as places
@@ -34,7 +39,7 @@ import os
 from pathlib import Path
 
 __all__ = ["cache_dir", "cuda_include", "arch", "quiet", "dump_dir", "host_path",
-           "dependent_launch"]
+           "dependent_launch", "prefill_tma"]
 
 _FALSE = {"0", "false", "no", "off"}
 
@@ -103,4 +108,12 @@ def dependent_launch() -> bool:
     """``ATTNLANG_DEPENDENT_LAUNCH``: False when set to ``0``/``false``/``no``/``off``, else
     True (the default): run()'s kernels are programmatic dependent launches on sm_90+."""
     value = _get("ATTNLANG_DEPENDENT_LAUNCH")
+    return value is None or value.lower() not in _FALSE
+
+
+def prefill_tma() -> bool:
+    """``ATTNLANG_PREFILL_TMA``: False when set to ``0``/``false``/``no``/``off``, else True
+    (the default): the prefill kernel's producer copies whole tiles by TMA where it can
+    (`attnlang.runtime.tensor_maps`)."""
+    value = _get("ATTNLANG_PREFILL_TMA")
     return value is None or value.lower() not in _FALSE

@@ -46,6 +46,30 @@ constexpr bool kFoldScales = kKvFp8 && !variant::kHasKey && !variant::kHasValue 
 constexpr bool kSplitKeys =
     kProducer && !variant::kHasKey && !variant::kHasValue && !variant::kDistanceTerm;
 constexpr unsigned kGroupBarrier = 3;  // + warpgroup (3, 4): one warpgroup's 128 threads
+// TMA tiles (kProducer, a cache of T, pages of a multiple of kTmaBoxRows tokens): a tile whose
+// keys all lie inside its item is copied by the copy engine in boxes of 64 columns by
+// kTmaBoxRows keys, 128-byte swizzled on arrival exactly as wgmma reads them; the other tiles
+// (an item's partial last tile, whose keys past kv_end must land as zeros; an item starting
+// off a box row) stay cp.async. Four threads issue a tile's boxes where the producer
+// warpgroup's 128 threads each did 32 cp.async and their addresses (without those copies the
+// kernel ran 31-52% faster: benchmarks/NOTES.md). The maps come from the host
+// (runtime/tensor_maps.py): [0, 128) K's template, [128, 256) V's, and from byte kTmaCtaMaps
+// this call's K and V maps of each CTA, which its producer writes at the start. Not where the
+// logits have per-tile terms: there the producer has 40 registers, and its TMA loop spilled
+// 170 bytes of them. Nor where the module compiler found the producer's 56 spilling (a mask
+// whose tile classes take many registers, which the producer computes in both its loops): it
+// then compiles the source again with ATTNLANG_NO_TMA_TILES defined (runtime/module.py).
+#ifdef ATTNLANG_NO_TMA_TILES
+constexpr bool kTmaAllowed = false;
+#else
+constexpr bool kTmaAllowed = true;
+#endif
+constexpr bool kTmaTiles = kTmaAllowed && kProducer && !kKvFp8 && kComputeRegisters == 224;
+constexpr int kTmaBoxRows = 16;  // tensor_maps.BOX_ROWS
+constexpr int kTmaBlocksK = kChunks / 8, kTmaBlocks = kChunks / 8 + kChunksVO / 8;
+constexpr unsigned kTmaTileBytes = kTmaBlocks * kTileKeys * 128;  // a tile's K and V
+constexpr int kTmaCtaMaps = 256;  // tensor_maps.CTA_MAPS
+constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 threads
 
 static_assert(VEC * TX == kHeadDim && VEC_VO * TX == kHeadDimVO && VEC % 8 == 0 &&
               VEC_VO % 8 == 0 && sizeof(T) == 2, "whole 16-byte row chunks per lane");
@@ -55,6 +79,8 @@ static_assert(!kFp8Rows || (kHeadDimVO == kHeadDim && 32 % kRawLanes == 0 &&
                             kTileKeys % (kProducerThreads / kRawLanes) == 0),
               "fp8 rows: whole rows per warp, whole passes for the producer and the converters");
 static_assert(kThreads % 32 == 0 && kThreads % TX == 0, "whole warps, whole row groups");
+static_assert(!kTmaTiles || (kTileKeys % (4 * kTmaBoxRows) == 0 && kTileKeys / kTmaBoxRows / 4 <= 32),
+              "TMA tiles: whole box rows for each of the producer's four warps");
 static_assert(kTileKeys % 16 == 0 && kTileKeys % kGroups == 0, "whole k-steps; rows per group");
 static_assert(kTileKeys % kSubKeys == 0 && kSubKeys % 16 == 0, "whole sub-tiles of whole k-steps");
 static_assert(kRows % kGroups == 0, "every group loads the same number of Q rows");

@@ -358,7 +358,10 @@ struct DeferredValues {
 // An fp8 cache's tiles land as bytes, which the computing warps dequantise: the producer never
 // waits on its copies, so a ring's worth of tiles stays in flight (it converting them itself
 // ran prefill at 0.47x of bf16 against 0.71x: benchmarks/NOTES.md).
-__device__ __forceinline__ void produce_tiles(
+// kTma: whole tiles by TMA (this CTA's maps written: produce_tiles); `full` then completes
+// when every producer thread has arrived and the boxes' bytes have landed.
+template <bool kTma>
+__device__ __forceinline__ void produce_items(
     const KvT* k_cache, const KvT* v_cache, const int* kv_indices, const int* work_indptr,
     const int* work_request, const int* work_kv_head, const int* work_row_start,
     const int* work_kv_start, const int* work_kv_end, const int* work_partial,
@@ -367,7 +370,7 @@ __device__ __forceinline__ void produce_tiles(
     const variant::Params& params, const Cascade& cascade, const unsigned k_smem,
     const unsigned v_smem,
     const unsigned full_bar, const unsigned k_empty_bar, const unsigned v_empty_bar,
-    const int ptid) {
+    const unsigned char* const tma_maps, const int ptid) {
   const int lane = ptid & 31;
   const int group_id = ptid / TX, tx = ptid % TX;
   const int group = num_heads / num_kv_heads;
@@ -401,20 +404,62 @@ __device__ __forceinline__ void produce_tiles(
     for (int t = next_tile(cursor, span, lane, params, tile_ix); t >= 0;
          t = next_tile(cursor, span, lane, params, tile_ix)) {
       const int start = w.kv_start + (t >> 2) * kTileKeys;
-      const auto rows = warp_tile_rows<kFp8Rows ? kRawLanes : TX>(kv_indices, w, start,
-                                                                 ptid >> 5, lane, page_div);
-      if (k_laps > 0) mbar_wait(k_empty_bar + 8 * k_stage, (k_laps - 1) & 1);
-      if (laps > 0) mbar_wait(v_empty_bar + 8 * stage, (laps - 1) & 1);
-      if constexpr (kFp8Rows) {
-        load_rows_fp8(k_smem + k_stage * (kKStageElems * 2), v_smem + stage * (kVStageElems * 2),
-                      k_raw_row, v_raw_row, rows, w.kv_end, start, ptid / kRawLanes,
-                      ptid % kRawLanes, k_token_bytes, v_token_bytes);
+      // (kTma) A whole tile from a multiple of kTmaBoxRows: every box lies inside one page.
+      if (kTma && start + kTileKeys <= w.kv_end && start % kTmaBoxRows == 0) {
+        // The tile's box rows (kTmaBoxRows keys each: a page, or part of one) go round the
+        // producer's four warps, row r to warp r % 4, whose lane i looks up the page of its
+        // i-th row here, before the waits. Lane 0 of each warp then issues its rows' boxes, K's
+        // and V's column blocks (a TMA takes its operands from uniform registers, so one
+        // thread issues them; one thread issuing all 32 boxes of a 16-token-page tile ran
+        // slower than cp.async, four in parallel 16-25% faster: benchmarks/NOTES.md), after
+        // adding their bytes to the `full` barrier's expected ones.
+        constexpr int kRowsPerWarp = kTileKeys / kTmaBoxRows / 4;
+        const int first_row = ptid >> 5;  // this warp's rows: first_row + 4 i
+        const int token = lane < kRowsPerWarp
+                              ? cache_token(kv_indices, w, start + (first_row + 4 * lane) * kTmaBoxRows,
+                                            page_div)
+                              : 0;
+        if (k_laps > 0) mbar_wait(k_empty_bar + 8 * k_stage, (k_laps - 1) & 1);
+        if (laps > 0) mbar_wait(v_empty_bar + 8 * stage, (laps - 1) & 1);
+        const unsigned bar = full_bar + 8 * stage;
+        const unsigned k_dst = k_smem + k_stage * (kKStageElems * 2);
+        const unsigned v_dst = v_smem + stage * (kVStageElems * 2);
+        const unsigned char* const k_map = tma_maps + kTmaCtaMaps + 256 * blockIdx.x;
+        if (lane == 0) mbar_expect(bar, kTmaTileBytes / 4);
+#pragma unroll
+        for (int i = 0; i < kRowsPerWarp; ++i) {
+          const unsigned row = (first_row + 4 * i) * (kTmaBoxRows * 128);
+          const int row_token = __shfl_sync(0xffffffffu, token, i);
+          if (lane == 0) {
+#pragma unroll
+            for (int b = 0; b < kTmaBlocksK; ++b) {
+              tma_load_3d(k_dst + b * (kTileKeys * 128) + row, k_map, 64 * b, w.kv_head,
+                          row_token, bar);
+            }
+#pragma unroll
+            for (int b = 0; b < kTmaBlocks - kTmaBlocksK; ++b) {
+              tma_load_3d(v_dst + b * (kTileKeys * 128) + row, k_map + 128, 64 * b, w.kv_head,
+                          row_token, bar);
+            }
+          }
+        }
+        mbar_arrive(bar);
       } else {
-        load_tile<kProducerGroups>(k_smem + k_stage * (kKStageElems * 2),
-                                   v_smem + stage * (kVStageElems * 2), k_row, v_row, rows,
-                                   w.kv_end, start, group_id, tx, k_token_bytes, v_token_bytes);
+        const auto rows = warp_tile_rows<kFp8Rows ? kRawLanes : TX>(kv_indices, w, start,
+                                                                   ptid >> 5, lane, page_div);
+        if (k_laps > 0) mbar_wait(k_empty_bar + 8 * k_stage, (k_laps - 1) & 1);
+        if (laps > 0) mbar_wait(v_empty_bar + 8 * stage, (laps - 1) & 1);
+        const unsigned k_dst = k_smem + k_stage * (kKStageElems * 2);
+        const unsigned v_dst = v_smem + stage * (kVStageElems * 2);
+        if constexpr (kFp8Rows) {
+          load_rows_fp8(k_dst, v_dst, k_raw_row, v_raw_row, rows, w.kv_end, start,
+                        ptid / kRawLanes, ptid % kRawLanes, k_token_bytes, v_token_bytes);
+        } else {
+          load_tile<kProducerGroups>(k_dst, v_dst, k_row, v_row, rows, w.kv_end, start, group_id,
+                                     tx, k_token_bytes, v_token_bytes);
+        }
+        mbar_arrive_on_copies(full_bar + 8 * stage);
       }
-      mbar_arrive_on_copies(full_bar + 8 * stage);
       if (++k_stage == kKStages) {
         k_stage = 0;
         ++k_laps;
@@ -430,4 +475,45 @@ __device__ __forceinline__ void produce_tiles(
                             page_size, group, cascade);
     }
   }
+}
+
+// The producer: this CTA's tensor maps first where whole tiles go by TMA (kTmaTiles: the host
+// gave maps, for pages of a multiple of kTmaBoxRows tokens, and the caches are 16-byte
+// aligned), written by warp 0 through K stage 0 before any copy lands there; then its items,
+// by the loop built for that choice (the cp.async-only one holds no TMA state).
+__device__ __forceinline__ void produce_tiles(
+    const KvT* k_cache, const KvT* v_cache, const int* kv_indices, const int* work_indptr,
+    const int* work_request, const int* work_kv_head, const int* work_row_start,
+    const int* work_kv_start, const int* work_kv_end, const int* work_partial,
+    const int* qo_indptr, const int* kv_indptr, const int* kv_last_page_len,
+    const int num_heads, const int num_kv_heads, const int page_size, const float sm_scale,
+    const variant::Params& params, const Cascade& cascade, const unsigned k_smem,
+    const unsigned v_smem,
+    const unsigned full_bar, const unsigned k_empty_bar, const unsigned v_empty_bar,
+    unsigned char* const tma_maps, const int ptid) {
+  // Whole tiles by TMA where the host gave maps (pages of a multiple of kTmaBoxRows tokens) and
+  // the caches are 16-byte aligned.
+  const bool tma = kTmaTiles && tma_maps != nullptr &&
+                   ((reinterpret_cast<unsigned long long>(k_cache) |
+                     reinterpret_cast<unsigned long long>(v_cache)) & 15) == 0;
+  if (!tma) {
+    produce_items<false>(k_cache, v_cache, kv_indices, work_indptr, work_request, work_kv_head,
+                         work_row_start, work_kv_start, work_kv_end, work_partial, qo_indptr,
+                         kv_indptr, kv_last_page_len, num_heads, num_kv_heads, page_size,
+                         sm_scale, params, cascade, k_smem, v_smem, full_bar, k_empty_bar,
+                         v_empty_bar, tma_maps, ptid);
+    return;
+  }
+  if (ptid < 32) {
+    unsigned char* const k_map = tma_maps + kTmaCtaMaps + 256 * blockIdx.x;
+    tensor_map_for(k_map, tma_maps, k_cache, k_smem, ptid);
+    tensor_map_for(k_map + 128, tma_maps + 128, v_cache, k_smem + 128, ptid);
+    fence_async_shared();  // the scratch's reads before the copies that overwrite it
+  }
+  named_sync(kProducerBarrier, kProducerThreads);
+  produce_items<kTmaTiles>(k_cache, v_cache, kv_indices, work_indptr, work_request, work_kv_head,
+                           work_row_start, work_kv_start, work_kv_end, work_partial, qo_indptr,
+                           kv_indptr, kv_last_page_len, num_heads, num_kv_heads, page_size,
+                           sm_scale, params, cascade, k_smem, v_smem, full_bar, k_empty_bar,
+                           v_empty_bar, tma_maps, ptid);
 }

@@ -14,6 +14,9 @@
 //                                    async proxy; a barrier after it publishes them
 //   pin(r)                           a compiler fence on accumulator registers: reads after
 //                                    a wgmma_wait stay after it
+//   mbar_*, named_*, registers_*     the producer's pipeline: mbarriers, named barriers,
+//                                    setmaxnreg
+//   tensor_map_for, tma_load_3d      a CTA's TMA tensor map in global memory; one box copy
 //
 // Operand tiles (PTX ISA, "Shared memory matrix layout", 128-byte swizzle): a tile of 16-bit
 // elements is stored as column blocks of 64 elements (128 bytes per row); within a block, row
@@ -85,6 +88,47 @@ __device__ __forceinline__ void mbar_wait(const unsigned bar, const unsigned par
                  "selp.u32 %0, 1, 0, p;\n}\n"
                  : "=r"(done) : "r"(bar), "r"(parity) : "memory");
   } while (!done);
+}
+
+// Expect `bytes` more to land through the copy engine in the current phase (no arrival).
+__device__ __forceinline__ void mbar_expect(const unsigned bar, const unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n"
+               :: "r"(bar), "r"(bytes) : "memory");
+}
+
+// ---- TMA: tensor maps in global memory, boxes copied by the copy engine
+
+// Write this CTA's tensor map at `dst` (global, 128-byte aligned): the host's template `tmpl`
+// with its global address replaced by `base`, through 128 bytes of shared memory at `scratch`
+// (128-byte aligned), then fenced for this CTA's use (release into the tensor-map proxy, then
+// acquire). Every lane of one warp calls it; that warp may then issue tma_load_3d with it.
+__device__ __forceinline__ void tensor_map_for(unsigned char* dst, const unsigned char* tmpl,
+                                               const void* base, const unsigned scratch,
+                                               const int lane) {
+  if (lane < 8) {
+    const uint4 v = reinterpret_cast<const uint4*>(tmpl)[lane];
+    asm volatile("st.shared.v4.u32 [%0], { %1, %2, %3, %4 };\n"
+                 :: "r"(scratch + 16 * lane), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+  }
+  __syncwarp();
+  if (lane == 0) {
+    asm volatile("tensormap.replace.tile.global_address.shared::cta.b1024.b64 [%0], %1;\n"
+                 :: "r"(scratch), "l"(base) : "memory");
+  }
+  __syncwarp();
+  asm volatile("{\n.reg .u64 g;\ncvta.to.global.u64 g, %0;\n"
+               "tensormap.cp_fenceproxy.global.shared::cta.tensormap::generic.release.cta.sync.aligned"
+               " [g], [%1], 128;\n}\n" :: "l"(dst), "r"(scratch) : "memory");
+  asm volatile("fence.proxy.tensormap::generic.acquire.cta [%0], 128;\n" :: "l"(dst) : "memory");
+}
+
+// Copy the box at coordinates (c0, c1, c2) of the tensor map `map` (global) to shared address
+// `dst`; its bytes count towards the mbarrier `bar`'s expected transactions.
+__device__ __forceinline__ void tma_load_3d(const unsigned dst, const void* map, const int c0,
+                                            const int c1, const int c2, const unsigned bar) {
+  asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+               " [%0], [%1, { %2, %3, %4 }], [%5];\n"
+               :: "r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(bar) : "memory");
 }
 
 // Named barriers (id 0 is __syncthreads): wait for `threads` arrivals, or only arrive.

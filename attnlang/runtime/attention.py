@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -40,7 +41,7 @@ import numpy as np
 from attnlang import ir
 from attnlang.codegen.config import KV_FP8
 from attnlang.runtime import cascade as cascades
-from attnlang.runtime import hostpath, pairmask
+from attnlang.runtime import hostpath, pairmask, tensor_maps
 from attnlang.runtime.arrays import (
     TensorInfo,
     current_stream_ptr,
@@ -228,7 +229,12 @@ class BatchAttention:
             self.bounds, max_total_q=max_total_q, num_qo_heads=s.num_qo_heads,
             head_dim_vo=s.head_dim_vo, pair_names=[p.name for p in self.module.params
                                                    if p.is_pair],
-            max_pair_mask_bytes=self.max_pair_mask_bytes, device=self.device)
+            max_pair_mask_bytes=self.max_pair_mask_bytes, device=self.device,
+            tma_templates=partial(tensor_maps.map_templates, s.head_dim, s.head_dim_vo,
+                                  s.num_kv_heads)
+            if tensor_maps.uses_tma(s.head_dim, s.head_dim_vo, s.dtype, s.kv_dtype,
+                                    s.page_size, self.module.arch) else None,
+            tma_ctas=self.num_prefill_ctas)
         self._pair_host: dict[str, np.ndarray] = {}  # the last plan's packed masks
         with cupy.cuda.Device(self.device):
             # After the last plan's copy (guards the pinned buffer; run() waits on it) and

@@ -252,6 +252,12 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
                                      name=f"{variant.name}_{kind}.cu", label=labels[kind])
                    for kind in kinds}
         cubins = {kind: futures[kind].result() for kind in kinds}
+    for kind in ("prefill", "cascade"):
+        if kind in cubins and _tma_tiles_spill(cubins[kind], kind, head_dim, head_dim_vo, dtype,
+                                               kv_dtype, arch):
+            cubins[kind] = compile_source(NO_TMA_TILES + sources[kind], arch,
+                                          name=f"{variant.name}_{kind}.cu",
+                                          label=f"{labels[kind]} (cp.async tiles)")
     entries = {kind: _entry_name(kind, [f.name for f in cubins[kind].functions], labels[kind])
                for kind in kinds}
     major, minor = toolchain().nvrtc  # no CuPy import when every kernel was cached
@@ -267,6 +273,24 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
     )
     with _MODULES_LOCK:
         return _MODULES.setdefault(key, module)
+
+
+# The prefill kernel's producer warpgroup holds 56 registers. Where its loop with TMA tiles
+# (prefill_shape.cuh's kTmaTiles) spills more than this, the kernel is compiled again without
+# them: every tile by cp.async, whose loop then has the registers alone.
+PRODUCER_SPILL_BYTES = 64
+NO_TMA_TILES = "#define ATTNLANG_NO_TMA_TILES 1\n"
+
+
+def _tma_tiles_spill(cubin: Cubin, kind: str, head_dim: int, head_dim_vo: int, dtype: str,
+                     kv_dtype: str, arch: str) -> bool:
+    """Does this prefill (or cascade) kernel have TMA tiles and spill past
+    PRODUCER_SPILL_BYTES?"""
+    shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo)
+    if not shape.producer_threads or kv_dtype == KV_FP8:
+        return False
+    info = next((f for f in cubin.functions if f.name == kind), None)
+    return info is not None and max(info.spill_stores, info.spill_loads) > PRODUCER_SPILL_BYTES
 
 
 def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -> KernelModule:

@@ -10,13 +10,14 @@ for cuLaunchKernel, so run() rewrites only the pointers and params of each call.
 from __future__ import annotations
 
 import struct
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from attnlang import ir
+from attnlang.runtime import tensor_maps
 from attnlang.runtime.arrays import TensorInfo
 from attnlang.runtime.plan_mixed import BatchPlan
 from attnlang.runtime.planner import Plan, PlanBounds
@@ -155,6 +156,8 @@ def kernel_args(kind: str, *, q: int, k_cache: int, v_cache: int, out: int, lse:
         work = [ptr(ws[prefix + name]) for name in ("work_indptr", *_WORK)]
         if kind == "cascade":
             work += [ptr(ws["cascade_item"]), ptr(ws["token_request"])]
+        if kind != "decode":  # the producer's tensor maps (tensor_maps.py; 0: none)
+            work.append(ptr(ws.get("tma_maps", 0)))
         return (
             ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(lse),
             ptr(ws["qo_indptr"]), ptr(ws["kv_indptr"]), ptr(ws["kv_indices"]),
@@ -269,16 +272,26 @@ class DeviceWorkspace:
     lse_scratch: Any        # cupy float32 [max_total_q, num_qo_heads]
     pair_buffers: Mapping[str, Any]       # cupy uint8 [max_pair_mask_bytes] per pair param
     pair_values: Mapping[str, np.uint64]  # their addresses, as the kernels take them
+    tma_maps: Any           # cupy uint8: the prefill producer's tensor maps, or None
     pointers: Mapping[str, int]
 
 
 def allocate_workspace(layout: WorkspaceLayout, bounds: PlanBounds, *, max_total_q: int,
                        num_qo_heads: int, head_dim_vo: int, pair_names: Sequence[str],
-                       max_pair_mask_bytes: int, device: int) -> DeviceWorkspace:
-    """Allocate a `DeviceWorkspace` on `device` (needs a GPU)."""
+                       max_pair_mask_bytes: int, device: int,
+                       tma_templates: Callable[[int], bytes] | None = None,
+                       tma_ctas: int = 0) -> DeviceWorkspace:
+    """Allocate a `DeviceWorkspace` on `device` (needs a GPU). tma_templates: where the prefill
+    kernel copies tiles by TMA, the maps' templates for the buffer's address
+    (tensor_maps.map_templates), written once; the buffer has room for tma_ctas CTAs' maps."""
     import cupy
 
+    tma_maps = None
     with cupy.cuda.Device(device):
+        if tma_templates is not None:
+            tma_maps = cupy.zeros(tensor_maps.buffer_bytes(tma_ctas), dtype=np.uint8)
+            templates = np.frombuffer(tma_templates(tma_maps.data.ptr), dtype=np.uint8)
+            tma_maps[:templates.size].set(templates)
         pair_buffers = {name: cupy.zeros(max_pair_mask_bytes, dtype=np.uint8)
                         for name in pair_names}
         ints = cupy.zeros(layout.total, dtype=np.int32)
@@ -292,7 +305,8 @@ def allocate_workspace(layout: WorkspaceLayout, bounds: PlanBounds, *, max_total
     pointers = {name: base + 4 * off for name, off in layout.offsets.items()}
     pointers["partial_o"] = partial_o.data.ptr
     pointers["partial_lse"] = partial_lse.data.ptr
+    pointers["tma_maps"] = tma_maps.data.ptr if tma_maps is not None else 0
     return DeviceWorkspace(layout, ints, host, pinned, partial_o, partial_lse, lse_scratch,
                            pair_buffers,
                            {name: np.uint64(buf.data.ptr) for name, buf in pair_buffers.items()},
-                           pointers)
+                           tma_maps, pointers)

@@ -17,6 +17,7 @@ import attnlang
 from attnlang.codegen import config
 from attnlang.codegen.lower import LINE_RESET, lower
 from attnlang.codegen.render import generated_name, render
+from attnlang.runtime import module
 from tests.codegen.test_render import (
     DECODE_ARGS,
     _toolchain_problem,
@@ -41,9 +42,12 @@ def test_prefill_source_takes_the_decode_arguments(path):
     assert "{{" not in src and "{%" not in src and LINE_RESET not in src
     assert "namespace variant {" in src and "constexpr int kHeadDim = 128;" in src
     args = entry_args(src, "prefill")
-    assert [name for _, name in args] == DECODE_ARGS + [p.name for p in hooks.kernel_params]
+    # the decode kernel's arguments, and the producer's tensor maps after the work list
+    at = DECODE_ARGS.index("work_partial") + 1
+    names = DECODE_ARGS[:at] + ["tma_maps"] + DECODE_ARGS[at:]
+    assert [name for _, name in args] == names + [p.name for p in hooks.kernel_params]
     decode = entry_args(render(hooks, "decode", "bfloat16", 128), "decode")
-    assert args == decode
+    assert args[:at] + args[at + 1:] == decode
 
 
 def test_prefill_templates_list_what_they_splice():
@@ -194,7 +198,8 @@ def test_cascade_kernel_source():
     src = render(hooks, "cascade", "bfloat16", 128, "sm_90a")
     args = [name for _, name in entry_args(src, "cascade")]
     at = DECODE_ARGS.index("work_partial") + 1
-    assert args == DECODE_ARGS[:at] + ["cascade_item", "token_request"] + DECODE_ARGS[at:]
+    assert args == (DECODE_ARGS[:at] + ["cascade_item", "token_request", "tma_maps"] +
+                    DECODE_ARGS[at:])
     assert "constexpr bool kCascade = true;" in src and "constexpr bool kWgmma = true;" in src
     assert "constexpr bool kCascade = false;" in render(hooks, "prefill", "bfloat16", 128)
     assert config.launch_config("cascade", 128, 4, arch="sm_90a") == config.launch_config(
@@ -216,6 +221,10 @@ def check_prefill_compile(variant, dtype, head_dim, arch, kv_dtype=None, budget=
     src = render(hooks, kind, dtype, qk, arch, vo, kv_dtype)
     cubin = compile_source(src, arch, name=generated_name(hooks, kind),
                            label=f"{variant} {kind} {dtype} d{head_dim}")
+    if module._tma_tiles_spill(cubin, kind, qk, vo, dtype, kv_dtype or dtype, arch):
+        # as compile_variant does: the producer's registers do not hold its TMA loop
+        cubin = compile_source(module.NO_TMA_TILES + src, arch, name=generated_name(hooks, kind),
+                               label=f"{variant} {kind} {dtype} d{head_dim} (cp.async tiles)")
     (info,) = [f for f in cubin.functions if f.name == kind]
     shape = config.template_shape("prefill", qk, dtype, arch, vo)
     if shape.wgmma:

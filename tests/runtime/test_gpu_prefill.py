@@ -424,3 +424,33 @@ def test_distance_table_two_bands(cp, error_log):
                   num_kv_heads=2, head_dim=128, dtype="bfloat16", page_size=16,
                   seed=zlib.crc32(b"two bands"), error_log=error_log,
                   where="distance table two bands", kv_chunk_size=16384)
+
+
+# ---------------------------------------------------------------------------- TMA tiles
+
+# Pages of a multiple of 16 tokens (and one page per request: a contiguous cache) take the
+# producer's TMA boxes for every tile inside its item, cp.async for the partial last one (and
+# for items that start off a 16-key row: forced chunks of 100); the tails of the last pages
+# hold the cache's poison (ragged_to_paged), which no output may see. Each case runs with
+# TMA and without (ATTNLANG_PREFILL_TMA=0) on the same batch and seed. Key hooks rewrite a
+# tile the copy engine wrote; T5's kernel has no TMA tiles and ignores the maps it is given.
+_TMA = [("causal", "bfloat16", 128, 16, 4, None), ("causal", "float16", 128, 16, 1, 100),
+        ("causal", "bfloat16", 128, 64, 4, None), ("softcap", "float16", 128, 128, 1, 320),
+        ("alibi", "bfloat16", 256, 64, 8, None), ("kitchen_sink", "bfloat16", 128, 2048, 2, None),
+        ("causal", "float16", 256, 2048, 1, 448), ("gptj_rope", "float16", 128, 64, 4, None),
+        ("t5_bias", "bfloat16", 128, 64, 4, None)]
+
+
+@pytest.mark.parametrize("variant_id, dtype, head_dim, page_size, group, chunk", _TMA,
+                         ids=[f"{v}-{SHORT[d]}-d{hd}-p{p}-g{g}-{c or 'auto'}"
+                              for v, d, hd, p, g, c in _TMA])
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_tma_tiles(cp, error_log, monkeypatch, tma, variant_id, dtype, head_dim, page_size,
+                   group, chunk):
+    monkeypatch.setenv("ATTNLANG_PREFILL_TMA", tma)
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    qo, kv = np.array([700, 130, 1]), np.array([700 + 389, 130, 1900])
+    run_and_check(cp, variant, qo, kv, num_qo_heads=2 * group, num_kv_heads=2,
+                  head_dim=head_dim, dtype=dtype, page_size=page_size, seed=4200 + head_dim,
+                  error_log=error_log, kv_chunk_size=chunk,
+                  where=f"tma={tma} {variant_id} {SHORT[dtype]} d{head_dim} p{page_size} g{group}")

@@ -375,14 +375,16 @@ def test_kernel_args_match_the_rendered_entry(path, kind):
     assert named["out"] == 4 and named["partial_lse"] == ws["partial_lse"]
     if kind == "decode":
         assert named["q"] == 1 and named["work_partial"] == ws["work_partial"]
-    elif kind == "prefill":  # the same arguments, its own work list
+    elif kind == "prefill":  # the same arguments, its own work list, the tensor maps
         assert named["q"] == 1 and named["work_partial"] == ws["prefill_work_partial"]
         assert named["work_indptr"] == ws["prefill_work_indptr"]
+        assert named["tma_maps"] == ws["tma_maps"]
     elif kind == "cascade":  # prefill's, its own work list and two arrays more
         assert named["q"] == 1 and named["work_partial"] == ws["cascade_work_partial"]
         assert named["work_indptr"] == ws["cascade_work_indptr"]
         assert named["cascade_item"] == ws["cascade_item"]
         assert named["token_request"] == ws["token_request"]
+        assert named["tma_maps"] == ws["tma_maps"]
     else:
         assert named["merge_count"] == ws["merge_count"]
         assert named["merge_slots"] == ws["merge_slots"]
@@ -398,7 +400,7 @@ def _launch_inputs(variant, int_value, float_value):
         else:
             values.append((spec, int_value if spec.type is ir.INT else float_value))
     ws = {name: 10_000 + i for i, name in enumerate([*A._SECTIONS, "partial_o",
-                                                     "partial_lse"])}
+                                                     "partial_lse", "tma_maps"])}
     return values, ws
 
 
@@ -803,3 +805,15 @@ def test_a_per_pair_mask_comes_from_plan_not_run():
     with pytest.raises(ValueError, match=r"comes from plan\(\): call plan\(..., "
                                          r"params=\{'allowed': ...\}\) first"):
         run_inputs(specs=tree.params)
+
+
+def test_kernel_args_without_tensor_maps():
+    # a workspace without the producer's maps (no TMA tiles) passes a null pointer
+    values, ws = _launch_inputs(attnlang.load(VARIANT_FILES[0]), np.int32(1), np.float32(1))
+    del ws["tma_maps"]
+    args = A.kernel_args("prefill", q=1, k_cache=2, v_cache=3, out=4, lse=5, ws=ws,
+                         num_heads=8, num_kv_heads=2, page_size=16, sm_scale=0.125,
+                         params=values)
+    at = A.kernel_args("decode", q=1, k_cache=2, v_cache=3, out=4, lse=5, ws=ws, num_heads=8,
+                       num_kv_heads=2, page_size=16, sm_scale=0.125, params=values)
+    assert len(args) == len(at) + 1 and 0 in args
