@@ -46,9 +46,10 @@ constexpr bool kFoldScales = kKvFp8 && !variant::kHasKey && !variant::kHasValue 
 constexpr bool kSplitKeys =
     kProducer && !variant::kHasKey && !variant::kHasValue && !variant::kDistanceTerm;
 constexpr unsigned kGroupBarrier = 3;  // + warpgroup (3, 4): one warpgroup's 128 threads
-// TMA tiles (kProducer, a cache of T, pages of a multiple of kTmaBoxRows tokens): a tile whose
-// keys all lie inside its item is copied by the copy engine in boxes of 64 columns by
-// kTmaBoxRows keys, 128-byte swizzled on arrival exactly as wgmma reads them; the other tiles
+// TMA tiles (kProducer, pages of a multiple of kTmaBoxRows tokens): a tile whose keys all lie
+// inside its item is copied by the copy engine in boxes of 64 columns by kTmaBoxRows keys,
+// 128-byte swizzled on arrival exactly as wgmma reads them (an fp8 cache: 128 bytes by
+// kTmaBoxRows keys, as the raw rows the computing warps convert); the other tiles
 // (an item's partial last tile, whose keys past kv_end must land as zeros; an item starting
 // off a box row) stay cp.async. Four threads issue a tile's boxes where the producer
 // warpgroup's 128 threads each did 32 cp.async and their addresses (without those copies the
@@ -64,9 +65,13 @@ constexpr bool kTmaAllowed = false;
 #else
 constexpr bool kTmaAllowed = true;
 #endif
-constexpr bool kTmaTiles = kTmaAllowed && kProducer && !kKvFp8 && kComputeRegisters == 224;
+constexpr bool kTmaTiles = kTmaAllowed && kProducer && kComputeRegisters == 224;
 constexpr int kTmaBoxRows = 16;  // tensor_maps.BOX_ROWS
-constexpr int kTmaBlocksK = kChunks / 8, kTmaBlocks = kChunks / 8 + kChunksVO / 8;
+// A box row's 128 bytes: 64 elements of T, swizzled; or (an fp8 cache) 128 e4m3 bytes of a
+// key, unswizzled, where load_rows_fp8 puts them for dequantize_rows.
+constexpr int kTmaBlockCols = kKvFp8 ? 128 : 64;
+constexpr int kTmaBlocksK = kHeadDim / kTmaBlockCols;
+constexpr int kTmaBlocks = kTmaBlocksK + kHeadDimVO / kTmaBlockCols;
 constexpr unsigned kTmaTileBytes = kTmaBlocks * kTileKeys * 128;  // a tile's K and V
 constexpr int kTmaCtaMaps = 256;  // tensor_maps.CTA_MAPS
 constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 threads

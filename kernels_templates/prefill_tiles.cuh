@@ -433,13 +433,13 @@ __device__ __forceinline__ void produce_items(
           if (lane == 0) {
 #pragma unroll
             for (int b = 0; b < kTmaBlocksK; ++b) {
-              tma_load_3d(k_dst + b * (kTileKeys * 128) + row, k_map, 64 * b, w.kv_head,
-                          row_token, bar);
+              tma_load_3d(k_dst + b * (kTileKeys * 128) + row, k_map, kTmaBlockCols * b,
+                          w.kv_head, row_token, bar);
             }
 #pragma unroll
             for (int b = 0; b < kTmaBlocks - kTmaBlocksK; ++b) {
-              tma_load_3d(v_dst + b * (kTileKeys * 128) + row, k_map + 128, 64 * b, w.kv_head,
-                          row_token, bar);
+              tma_load_3d(v_dst + b * (kTileKeys * 128) + row, k_map + 128, kTmaBlockCols * b,
+                          w.kv_head, row_token, bar);
             }
           }
         }

@@ -231,7 +231,7 @@ class BatchAttention:
                                                    if p.is_pair],
             max_pair_mask_bytes=self.max_pair_mask_bytes, device=self.device,
             tma_templates=partial(tensor_maps.map_templates, s.head_dim, s.head_dim_vo,
-                                  s.num_kv_heads)
+                                  s.num_kv_heads, s.kv_dtype)
             if tensor_maps.uses_tma(s.head_dim, s.head_dim_vo, s.dtype, s.kv_dtype,
                                     s.page_size, self.module.arch) else None,
             tma_ctas=self.num_prefill_ctas)

@@ -287,7 +287,7 @@ def _tma_tiles_spill(cubin: Cubin, kind: str, head_dim: int, head_dim_vo: int, d
     """Does this prefill (or cascade) kernel have TMA tiles and spill past
     PRODUCER_SPILL_BYTES?"""
     shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo)
-    if not shape.producer_threads or kv_dtype == KV_FP8:
+    if not shape.producer_threads:
         return False
     info = next((f for f in cubin.functions if f.name == kind), None)
     return info is not None and max(info.spill_stores, info.spill_loads) > PRODUCER_SPILL_BYTES

@@ -1,11 +1,12 @@
 """TMA tensor maps of the paged K/V cache, for the prefill kernel's producer (sm_90a).
 
 Where the prefill kernel has a producer warpgroup (the wgmma path at head dims 128 and 256,
-variants without per-tile logits terms), the cache holds T (not fp8) and its pages are a
-multiple of BOX_ROWS tokens (a contiguous cache is one page per request), the producer
-copies each tile whose keys all lie inside its work item by TMA: boxes of BOX_ROWS keys x 64
-columns (128 bytes, swizzled on arrival as wgmma reads them), one per box row and column
-block, issued by one thread of each of its four warps. A map holds the cache's address,
+variants without per-tile logits terms) and the cache's pages are a multiple of BOX_ROWS
+tokens (a contiguous cache is one page per request), the producer copies each tile whose
+keys all lie inside its work item by TMA: boxes of BOX_ROWS keys x 64 columns (128 bytes,
+swizzled on arrival as wgmma reads them; an fp8 cache's: 128 e4m3 bytes, as the raw rows its
+computing warps convert), one per box row and column block, issued by one thread of each of
+its four warps. A map holds the cache's address,
 which may change from one call to the next, and run() must stay cheap (CUDA graphs replay its
 kernels' arguments as captured); so the host encodes one template per cache, once, here, and
 the kernel's producer writes its CTA's own copy with the call's address at its start
@@ -37,8 +38,10 @@ BOX_ROWS = 16
 _TOKEN_EXTENT = (1 << 31) - 1
 
 # cuda.h's enums (cuTensorMapEncodeTiled).
+_UINT8 = 0             # CU_TENSOR_MAP_DATA_TYPE_UINT8: e4m3 bytes, copied as bits
 _UINT16 = 1            # CU_TENSOR_MAP_DATA_TYPE_UINT16: any 2-byte element, copied as bits
 _INTERLEAVE_NONE = 0
+_SWIZZLE_NONE = 0
 _SWIZZLE_128B = 3
 _L2_PROMOTION_256B = 3
 _OOB_FILL_NONE = 0
@@ -56,9 +59,10 @@ def box_rows(page_size: int) -> int | None:
 def uses_tma(head_dim: int, head_dim_vo: int, dtype: str, kv_dtype: str, page_size: int,
              arch: str) -> bool:
     """Does the prefill kernel of this shape get tensor maps? Where it has a producer
-    warpgroup, the cache holds T, box_rows(page_size) exists and ATTNLANG_PREFILL_TMA is not
-    off. (A variant with per-tile logits terms compiles without TMA tiles and ignores them.)"""
-    if kv_dtype == KV_FP8 or box_rows(page_size) is None or not env.prefill_tma():
+    warpgroup, box_rows(page_size) exists and ATTNLANG_PREFILL_TMA is not off. (A variant
+    with per-tile logits terms compiles without TMA tiles and ignores them; kv_dtype picks
+    the maps' element type, map_templates.)"""
+    if box_rows(page_size) is None or not env.prefill_tma():
         return False
     shape = template_shape("prefill", head_dim, dtype, arch, head_dim_vo)
     return shape.wgmma and shape.producer_threads > 0
@@ -69,28 +73,32 @@ def buffer_bytes(num_ctas: int) -> int:
     return CTA_MAPS + 2 * MAP_BYTES * num_ctas
 
 
-def map_templates(head_dim: int, head_dim_vo: int, num_kv_heads: int, address: int) -> bytes:
+def map_templates(head_dim: int, head_dim_vo: int, num_kv_heads: int, kv_dtype: str,
+                  address: int) -> bytes:
     """The buffer's first CTA_MAPS bytes: K's and V's templates, encoded at `address` (any
     16-byte-aligned device address: the kernel replaces it). Needs the CUDA driver; raises
     RuntimeError if it refuses a map."""
-    return b"".join(_encode(dim, num_kv_heads, BOX_ROWS, address)
+    return b"".join(_encode(dim, num_kv_heads, kv_dtype == KV_FP8, address)
                     for dim in (head_dim, head_dim_vo))
 
 
-def _encode(head_dim: int, num_kv_heads: int, rows: int, address: int) -> bytes:
-    """A tiled map of a contiguous [tokens, num_kv_heads, head_dim] 2-byte cache, boxes of
-    64 columns x 1 head x `rows` tokens, 128-byte swizzle."""
+def _encode(head_dim: int, num_kv_heads: int, fp8: bool, address: int) -> bytes:
+    """A tiled map of a contiguous [tokens, num_kv_heads, head_dim] cache: boxes of 64
+    2-byte elements x 1 head x BOX_ROWS tokens, 128-byte swizzle (wgmma's layout); an fp8
+    cache's of 128 bytes, unswizzled (the raw rows its computing warps convert)."""
     from attnlang.runtime import hostpath
 
     fn = hostpath.libcuda().cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int
     u64x3, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
+    size, kind, cols, swizzle = (1, _UINT8, 128, _SWIZZLE_NONE) if fp8 else (
+        2, _UINT16, 64, _SWIZZLE_128B)
     space = (ctypes.c_uint8 * (MAP_BYTES + 64))()  # the map must be 64-byte aligned
     at = -ctypes.addressof(space) % 64
-    status = fn(ctypes.c_void_p(ctypes.addressof(space) + at), _UINT16, 3, ctypes.c_void_p(address),
-                u64x3(head_dim, num_kv_heads, _TOKEN_EXTENT),
-                (ctypes.c_uint64 * 2)(2 * head_dim, 2 * head_dim * num_kv_heads),
-                u32x3(64, 1, rows), u32x3(1, 1, 1), _INTERLEAVE_NONE, _SWIZZLE_128B,
+    status = fn(ctypes.c_void_p(ctypes.addressof(space) + at), kind, 3,
+                ctypes.c_void_p(address), u64x3(head_dim, num_kv_heads, _TOKEN_EXTENT),
+                (ctypes.c_uint64 * 2)(size * head_dim, size * head_dim * num_kv_heads),
+                u32x3(cols, 1, BOX_ROWS), u32x3(1, 1, 1), _INTERLEAVE_NONE, swizzle,
                 _L2_PROMOTION_256B, _OOB_FILL_NONE)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled refused the cache's map (CUresult {status})")

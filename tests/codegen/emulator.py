@@ -141,7 +141,9 @@ def _emulated_source(src: str, kind: str) -> str:
     src = src.replace("extern __shared__ __align__(16) unsigned char smem[];",
                       "unsigned char* smem = emu_smem();")
     args = entry_args(src, kind)
-    calls = [f'({t})buf("{n}")' if "*" in t else
+    # No tensor maps: the emulated kernels are the mma.sync path's (no producer, no TMA).
+    calls = [f"({t})nullptr" if n == "tma_maps" else
+             f'({t})buf("{n}")' if "*" in t else
              f'ival("{n}")' if "int" in t else f'fval("{n}")' for t, n in args]
     outs = [n for t, n in args if "*" in t and not t.startswith("const")]
     main = (_MAIN.replace("@KIND@", kind).replace("@ARGS@", ",\n      ".join(calls))
