@@ -358,7 +358,7 @@ struct DeferredValues {
 // An fp8 cache's tiles land as bytes, which the computing warps dequantise: the producer never
 // waits on its copies, so a ring's worth of tiles stays in flight (it converting them itself
 // ran prefill at 0.47x of bf16 against 0.71x: benchmarks/NOTES.md).
-// kTma: whole tiles by TMA (this CTA's maps written: produce_tiles); `full` then completes
+// kTma: whole tiles by TMA (this CTA's maps written: producer_tensor_maps); `full` then completes
 // when every producer thread has arrived and the boxes' bytes have landed.
 template <bool kTma>
 __device__ __forceinline__ void produce_items(
@@ -477,33 +477,18 @@ __device__ __forceinline__ void produce_items(
   }
 }
 
-// The producer: this CTA's tensor maps first where whole tiles go by TMA (kTmaTiles: the host
-// gave maps, for pages of a multiple of kTmaBoxRows tokens, and the caches are 16-byte
-// aligned), written by warp 0 through K stage 0 before any copy lands there; then its items,
-// by the loop built for that choice (the cp.async-only one holds no TMA state).
-__device__ __forceinline__ void produce_tiles(
-    const KvT* k_cache, const KvT* v_cache, const int* kv_indices, const int* work_indptr,
-    const int* work_request, const int* work_kv_head, const int* work_row_start,
-    const int* work_kv_start, const int* work_kv_end, const int* work_partial,
-    const int* qo_indptr, const int* kv_indptr, const int* kv_last_page_len,
-    const int num_heads, const int num_kv_heads, const int page_size, const float sm_scale,
-    const variant::Params& params, const Cascade& cascade, const unsigned k_smem,
-    const unsigned v_smem,
-    const unsigned full_bar, const unsigned k_empty_bar, const unsigned v_empty_bar,
-    unsigned char* const tma_maps, const int ptid) {
-  // Whole tiles by TMA where the host gave maps (pages of a multiple of kTmaBoxRows tokens) and
-  // the caches are 16-byte aligned.
+// (kTmaTiles) Does the producer copy whole tiles by TMA? Where the host gave maps (pages of a
+// multiple of kTmaBoxRows tokens) and the caches are 16-byte aligned; then warp 0 writes this
+// CTA's maps (through K stage 0, before any copy lands there) and the producer's threads meet.
+// Every producer thread calls it, then runs the loop built for the answer (produce_items: the
+// cp.async-only one holds no TMA state).
+__device__ __forceinline__ bool producer_tensor_maps(const KvT* k_cache, const KvT* v_cache,
+                                                     unsigned char* const tma_maps,
+                                                     const unsigned k_smem, const int ptid) {
   const bool tma = kTmaTiles && tma_maps != nullptr &&
                    ((reinterpret_cast<unsigned long long>(k_cache) |
                      reinterpret_cast<unsigned long long>(v_cache)) & 15) == 0;
-  if (!tma) {
-    produce_items<false>(k_cache, v_cache, kv_indices, work_indptr, work_request, work_kv_head,
-                         work_row_start, work_kv_start, work_kv_end, work_partial, qo_indptr,
-                         kv_indptr, kv_last_page_len, num_heads, num_kv_heads, page_size,
-                         sm_scale, params, cascade, k_smem, v_smem, full_bar, k_empty_bar,
-                         v_empty_bar, tma_maps, ptid);
-    return;
-  }
+  if (!tma) return false;
   if (ptid < 32) {
     unsigned char* const k_map = tma_maps + kTmaCtaMaps + 256 * blockIdx.x;
     tensor_map_for(k_map, tma_maps, k_cache, k_smem, ptid);
@@ -511,9 +496,5 @@ __device__ __forceinline__ void produce_tiles(
     fence_async_shared();  // the scratch's reads before the copies that overwrite it
   }
   named_sync(kProducerBarrier, kProducerThreads);
-  produce_items<kTmaTiles>(k_cache, v_cache, kv_indices, work_indptr, work_request, work_kv_head,
-                           work_row_start, work_kv_start, work_kv_end, work_partial, qo_indptr,
-                           kv_indptr, kv_last_page_len, num_heads, num_kv_heads, page_size,
-                           sm_scale, params, cascade, k_smem, v_smem, full_bar, k_empty_bar,
-                           v_empty_bar, tma_maps, ptid);
+  return true;
 }
