@@ -56,16 +56,16 @@ constexpr unsigned kGroupBarrier = 3;  // + warpgroup (3, 4): one warpgroup's 12
 // kernel ran 31-52% faster: benchmarks/NOTES.md). The maps come from the host
 // (runtime/tensor_maps.py): [0, 128) K's template, [128, 256) V's, and from byte kTmaCtaMaps
 // this call's K and V maps of each CTA, which its producer writes at the start. Not where the
-// logits have per-tile terms: there the producer has 40 registers, and its TMA loop spilled
-// 170 bytes of them. Nor where the module compiler found the producer's 56 spilling (a mask
-// whose tile classes take many registers, which the producer computes in both its loops): it
-// then compiles the source again with ATTNLANG_NO_TMA_TILES defined (runtime/module.py).
+// module compiler found the producer's registers (56; 40 where the logits have per-tile terms)
+// spilling more than 64 bytes (a mask whose tile classes take many registers, which the
+// producer computes in both its loops): it then compiles the source again with
+// ATTNLANG_NO_TMA_TILES defined (runtime/module.py).
 #ifdef ATTNLANG_NO_TMA_TILES
 constexpr bool kTmaAllowed = false;
 #else
 constexpr bool kTmaAllowed = true;
 #endif
-constexpr bool kTmaTiles = kTmaAllowed && kProducer && kComputeRegisters == 224;
+constexpr bool kTmaTiles = kTmaAllowed && kProducer;
 constexpr int kTmaBoxRows = 16;  // tensor_maps.BOX_ROWS
 // A box row's 128 bytes: 64 elements of T, swizzled; or (an fp8 cache) 128 e4m3 bytes of a
 // key, unswizzled, where load_rows_fp8 puts them for dequantize_rows.

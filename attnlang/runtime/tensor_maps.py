@@ -1,16 +1,15 @@
 """TMA tensor maps of the paged K/V cache, for the prefill kernel's producer (sm_90a).
 
-Where the prefill kernel has a producer warpgroup (the wgmma path at head dims 128 and 256,
-variants without per-tile logits terms) and the cache's pages are a multiple of BOX_ROWS
-tokens (a contiguous cache is one page per request), the producer copies each tile whose
-keys all lie inside its work item by TMA: boxes of BOX_ROWS keys x 64 columns (128 bytes,
-swizzled on arrival as wgmma reads them; an fp8 cache's: 128 e4m3 bytes, as the raw rows its
-computing warps convert), one per box row and column block, issued by one thread of each of
-its four warps. A map holds the cache's address,
-which may change from one call to the next, and run() must stay cheap (CUDA graphs replay its
-kernels' arguments as captured); so the host encodes one template per cache, once, here, and
-the kernel's producer writes its CTA's own copy with the call's address at its start
-(`tensor_map_for` in wgmma.cuh). The buffer (prefill_shape.cuh's kTma* constants):
+Where the prefill kernel has a producer warpgroup (the wgmma path at head dims 128 and 256)
+and the cache's pages are a multiple of BOX_ROWS tokens (a contiguous cache is one page per
+request), the producer copies each tile whose keys all lie inside its work item by TMA:
+boxes of BOX_ROWS keys x 64 columns (128 bytes, swizzled on arrival as wgmma reads them; an
+fp8 cache's: 128 e4m3 bytes, as the raw rows its computing warps convert), one per box row
+and column block, issued by one thread of each of its four warps. A map holds the cache's
+address, which may change from one call to the next, and run() must stay cheap (CUDA graphs
+replay its kernels' arguments as captured); so the host encodes one template per cache,
+once, here, and the kernel's producer writes its CTA's own copy with the call's address at
+its start (`tensor_map_for` in wgmma.cuh). The buffer (prefill_shape.cuh's kTma* constants):
 
     [0, 128)      K's template      dims (head_dim, num_kv_heads, 2^31 - 1 tokens)
     [128, 256)    V's template      (head_dim_vo, ...), strides of a contiguous NHD cache
@@ -59,9 +58,8 @@ def box_rows(page_size: int) -> int | None:
 def uses_tma(head_dim: int, head_dim_vo: int, dtype: str, kv_dtype: str, page_size: int,
              arch: str) -> bool:
     """Does the prefill kernel of this shape get tensor maps? Where it has a producer
-    warpgroup, box_rows(page_size) exists and ATTNLANG_PREFILL_TMA is not off. (A variant
-    with per-tile logits terms compiles without TMA tiles and ignores them; kv_dtype picks
-    the maps' element type, map_templates.)"""
+    warpgroup, box_rows(page_size) exists and ATTNLANG_PREFILL_TMA is not off. (A kernel the
+    module compiler rebuilt without TMA tiles ignores them: module.PRODUCER_SPILL_BYTES.)"""
     if box_rows(page_size) is None or not env.prefill_tma():
         return False
     shape = template_shape("prefill", head_dim, dtype, arch, head_dim_vo)

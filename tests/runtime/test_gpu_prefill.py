@@ -433,7 +433,7 @@ def test_distance_table_two_bands(cp, error_log):
 # for items that start off a 16-key row: forced chunks of 100); the tails of the last pages
 # hold the cache's poison (ragged_to_paged), which no output may see. Each case runs with
 # TMA and without (ATTNLANG_PREFILL_TMA=0) on the same batch and seed. Key hooks rewrite a
-# tile the copy engine wrote; T5's kernel has no TMA tiles and ignores the maps it is given.
+# tile the copy engine wrote; T5's producer has 40 registers (232 for its computing threads).
 _TMA = [("causal", "bfloat16", 128, 16, 4, None), ("causal", "float16", 128, 16, 1, 100),
         ("causal", "bfloat16", 128, 64, 4, None), ("softcap", "float16", 128, 128, 1, 320),
         ("alibi", "bfloat16", 256, 64, 8, None), ("kitchen_sink", "bfloat16", 128, 2048, 2, None),
