@@ -253,11 +253,10 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
                    for kind in kinds}
         cubins = {kind: futures[kind].result() for kind in kinds}
     for kind in ("prefill", "cascade"):
-        if kind in cubins and _tma_tiles_spill(cubins[kind], kind, head_dim, head_dim_vo, dtype,
-                                               kv_dtype, arch):
-            cubins[kind] = compile_source(NO_TMA_TILES + sources[kind], arch,
-                                          name=f"{variant.name}_{kind}.cu",
-                                          label=f"{labels[kind]} (cp.async tiles)")
+        if kind in cubins:
+            cubins[kind] = without_spilling_tma_tiles(
+                cubins[kind], sources[kind], kind, head_dim=head_dim, head_dim_vo=head_dim_vo,
+                dtype=dtype, arch=arch, name=f"{variant.name}_{kind}.cu", label=labels[kind])
     entries = {kind: _entry_name(kind, [f.name for f in cubins[kind].functions], labels[kind])
                for kind in kinds}
     major, minor = toolchain().nvrtc  # no CuPy import when every kernel was cached
@@ -275,22 +274,28 @@ def compile_variant(variant: ir.Variant, *, head_dim: int, dtype: Any = "bfloat1
         return _MODULES.setdefault(key, module)
 
 
-# The prefill kernel's producer warpgroup holds 56 registers. Where its loop with TMA tiles
-# (prefill_shape.cuh's kTmaTiles) spills more than this, the kernel is compiled again without
-# them: every tile by cp.async, whose loop then has the registers alone.
+# The prefill kernel's producer warpgroup holds 56 registers (40 where the logits have per-tile
+# terms). Where its loop with TMA tiles (prefill_shape.cuh's kTmaTiles) spills more than this,
+# the kernel is compiled again without them: every tile by cp.async, whose loop then has the
+# registers alone.
 PRODUCER_SPILL_BYTES = 64
 NO_TMA_TILES = "#define ATTNLANG_NO_TMA_TILES 1\n"
 
 
-def _tma_tiles_spill(cubin: Cubin, kind: str, head_dim: int, head_dim_vo: int, dtype: str,
-                     kv_dtype: str, arch: str) -> bool:
-    """Does this prefill (or cascade) kernel have TMA tiles and spill past
-    PRODUCER_SPILL_BYTES?"""
-    shape = config.template_shape(kind, head_dim, dtype, arch, head_dim_vo)
-    if not shape.producer_threads:
-        return False
+def without_spilling_tma_tiles(cubin: Cubin, source: str, kind: str, *, head_dim: int,
+                               head_dim_vo: int, dtype: str, arch: str, name: str,
+                               label: str) -> Cubin:
+    """`cubin`, the prefill (or cascade) kernel compiled from `source`; or, where that kernel
+    has a producer warpgroup and spills past PRODUCER_SPILL_BYTES, `source` compiled again
+    without TMA tiles."""
+    from attnlang.runtime.compiler import compile_source
+
+    if not config.template_shape(kind, head_dim, dtype, arch, head_dim_vo).producer_threads:
+        return cubin
     info = next((f for f in cubin.functions if f.name == kind), None)
-    return info is not None and max(info.spill_stores, info.spill_loads) > PRODUCER_SPILL_BYTES
+    if info is None or max(info.spill_stores, info.spill_loads) <= PRODUCER_SPILL_BYTES:
+        return cubin
+    return compile_source(NO_TMA_TILES + source, arch, name=name, label=f"{label} (cp.async tiles)")
 
 
 def load_compiled(directory: str | os.PathLike, *, check_version: bool = True) -> KernelModule:

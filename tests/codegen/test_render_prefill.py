@@ -219,12 +219,11 @@ def check_prefill_compile(variant, dtype, head_dim, arch, kv_dtype=None, budget=
     v = load(by_id(variant))
     hooks = lower(attnlang.ir.with_kv_scales(v) if kv_dtype else v)
     src = render(hooks, kind, dtype, qk, arch, vo, kv_dtype)
-    cubin = compile_source(src, arch, name=generated_name(hooks, kind),
-                           label=f"{variant} {kind} {dtype} d{head_dim}")
-    if module._tma_tiles_spill(cubin, kind, qk, vo, dtype, kv_dtype or dtype, arch):
-        # as compile_variant does: the producer's registers do not hold its TMA loop
-        cubin = compile_source(module.NO_TMA_TILES + src, arch, name=generated_name(hooks, kind),
-                               label=f"{variant} {kind} {dtype} d{head_dim} (cp.async tiles)")
+    name, label = generated_name(hooks, kind), f"{variant} {kind} {dtype} d{head_dim}"
+    # as compile_variant builds it (without TMA tiles where they spill the producer)
+    cubin = module.without_spilling_tma_tiles(
+        compile_source(src, arch, name=name, label=label), src, kind, head_dim=qk,
+        head_dim_vo=vo, dtype=dtype, arch=arch, name=name, label=label)
     (info,) = [f for f in cubin.functions if f.name == kind]
     shape = config.template_shape("prefill", qk, dtype, arch, vo)
     if shape.wgmma:
