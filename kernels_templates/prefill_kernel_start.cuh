@@ -26,11 +26,13 @@
   T* const v_smem = k_smem + kKStages * kKStageElems;      // [kStages][kTileKeys][kHeadDimVO]
   T* const q_smem = v_smem + kStages * kVStageElems;       // [kRows][kHeadDim]
   // After Q: with a producer, its pipeline barriers (full per stage, then empty per K stage
-  // and per V stage), then the distance table [kDistanceFloats].
+  // and per V stage, then (kProducerConverts) `landed` per stage), then the distance table
+  // [kDistanceFloats].
   unsigned char* const tail = reinterpret_cast<unsigned char*>(q_smem + kRows * kHeadDim);
   const unsigned full_bar = smem_u32(tail);
   const unsigned k_empty_bar = full_bar + 8 * kStages;
   const unsigned v_empty_bar = k_empty_bar + 8 * kKStages;
+  const unsigned landed_bar = v_empty_bar + 8 * kStages;
   float* const distance_smem = reinterpret_cast<float*>(tail + kBarrierBytes);
   float* const o_smem = reinterpret_cast<float*>(smem);    // [kRows][kHeadDimVO] fp32, after the loop
   const unsigned k_smem_u32 = smem_u32(k_smem);            // the same, as shared addresses

@@ -75,6 +75,16 @@ constexpr int kTmaBlocks = kTmaBlocksK + kHeadDimVO / kTmaBlockCols;
 constexpr unsigned kTmaTileBytes = kTmaBlocks * kTileKeys * 128;  // a tile's K and V
 constexpr int kTmaCtaMaps = 256;  // tensor_maps.CTA_MAPS
 constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 threads
+// (kFp8Rows) Where the producer copies by TMA, its threads are free while the copy engine
+// works: they convert each tile in place once its bytes have landed (a `landed` mbarrier per
+// stage, the boxes' bytes), then arrive on `full`, so the computing warps read T as from a
+// T cache, without a conversion pass or a barrier of theirs per tile (those cost an fp8
+// cache's prefill a third of its speed: benchmarks/NOTES.md). The computing threads
+// convert where the producer copies without TMA (pages of 8 or 1 token): it would then wait
+// on every cp.async of its own, which ran prefill at 0.47x of bf16. And where the producer has
+// 40 registers (per-tile logits terms): its conversion spilled 68 bytes with the loads ahead,
+// and without them ran T5 3% slower at S16384 than the computing warps' conversion.
+constexpr bool kProducerConverts = kFp8Rows && kTmaTiles && kProducerRegisters >= 56;
 
 static_assert(VEC * TX == kHeadDim && VEC_VO * TX == kHeadDimVO && VEC % 8 == 0 &&
               VEC_VO % 8 == 0 && sizeof(T) == 2, "whole 16-byte row chunks per lane");
@@ -91,7 +101,7 @@ static_assert(kTileKeys % kSubKeys == 0 && kSubKeys % 16 == 0, "whole sub-tiles 
 static_assert(kRows % kGroups == 0, "every group loads the same number of Q rows");
 static_assert(!kProducer || (kWgmma && kProducerThreads == 128 && kThreads == 256 &&
                              kTileKeys % kProducerGroups == 0 &&
-                             8 * (2 * kStages + kKStages) <= kBarrierBytes),
+                             8 * (3 * kStages + kKStages) <= kBarrierBytes),
               "a producer warpgroup beside two computing warpgroups, whole rows per group");
 static_assert(!kProducer || (kProducerRegisters % 8 == 0 && kProducerRegisters >= 24),
               "setmaxnreg takes multiples of 8 from 24 up");

@@ -150,6 +150,8 @@ inline unsigned char* emu_smem() {
   return (unsigned char*)((p + 15) & ~(uintptr_t)15);
 }
 inline void __syncthreads() { tl_block->block_barrier.wait(); }
+// A shared-memory address is an offset into the block's shared memory here (smem_u32).
+inline void* __cvta_shared_to_generic(size_t address) { return emu_smem() + address; }
 
 inline float __shfl_xor_sync(unsigned mask, float v, int offset, int width = 32) {
   const int tid = emu_linear_tid(), lane = tid % 32, warp = tid / 32;

@@ -4,8 +4,9 @@ on the dequantised values (attnlang.fp8.from_e4m3(bits) * scale of the KV head).
 Every kernel and path: decode steps at head dim 128 in the tensor-core decode kernel
 (decode_mma.cu.j2: groups up to 8, where the variant has no key or value hook), elsewhere MHA
 in the CUDA-core decode kernel and GQA groups of 4 and 8 in the prefill kernel (wgmma with its
-producer warpgroup at head dims 128 and 256 on the H100, without one at 64), prompts and
-chunked prefill, split requests through the merge kernel; variants with key / value hooks
+producer warpgroup at head dims 128 and 256 on the H100, which converts the tiles it copies by
+TMA, without one at 64), prompts and chunked prefill, split requests through the merge
+kernel; variants with key / value hooks
 (the hooks see dequantised values), masks, logits terms; scales as floats and as per-head
 device arrays, torch float8_e4m3fn tensors and CuPy uint8 bits; CUDA-graph capture; the
 errors for what is not allowed.
@@ -54,7 +55,7 @@ def quantize(rng, batch, num_kv_heads: int):
 
 def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
             seed, error_log, where, scales="tensor", arrays="cupy", kv_chunk_size=None,
-            head_dim_vo=None, expect=None):
+            head_dim_vo=None, expect=None, prefill_min_rows=None):
     rng = np.random.default_rng(seed)
     variant = (attnlang.load(VARIANT_PATHS[variant_id]) if isinstance(variant_id, str)
                else variant_id)  # a parsed variant
@@ -73,7 +74,8 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
                                    page_size=page_size, head_dim_vo=head_dim_vo, kv_dtype="fp8",
                                    max_batch_size=max(4, len(qo)),
                                    max_total_q=max(16, int(qo.sum())),
-                                   max_kv_indices=max(1 << 12, len(batch.kv_indices)), **extra)
+                                   max_kv_indices=max(1 << 12, len(batch.kv_indices)),
+                                   prefill_min_rows=prefill_min_rows, **extra)
     plan_params, params = split_params(variant, params)
     plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size, params=plan_params)
     if expect is not None:
@@ -144,6 +146,36 @@ def test_fp8_cache(cp, error_log, variant_id, dtype, head_dim, page_size, group,
     run_fp8(cp, variant_id, qo, kv, num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
             dtype=dtype, page_size=page_size, seed=seed, error_log=error_log,
             where=f"fp8 {variant_id} {shape} d{head_dim} p{page_size} g{group}")
+
+
+# The wgmma prefill kernel's producer converts the tiles it copies by TMA (pages of a multiple of
+# 16 tokens) and publishes them as T; copied by cp.async only (ATTNLANG_PREFILL_TMA=0) the
+# computing warps convert them. Each case runs both ways on the same batch and seed: partial
+# last tiles and items starting off a 16-key row (forced chunks of 100) copied by cp.async
+# inside the converting loop, a key hook (the scales not folded: the producer multiplies),
+# T5 (40 producer registers: the computing warps convert), head dim 256 (2 K stages),
+# and GQA decode steps in the prefill kernel (split keys: both warpgroups on 4 rows).
+_PRODUCER = [("causal", "bfloat16", 128, 16, 4, "prefill", None),
+             ("causal", "float16", 128, 16, 1, "chunk", 100),
+             ("gptj_rope", "bfloat16", 128, 64, 4, "prefill", None),
+             ("t5_bias", "bfloat16", 128, 16, 4, "prefill", None),
+             ("causal", "bfloat16", 256, 16, 2, "chunk", 448),
+             ("causal", "bfloat16", 128, 16, 4, "decode", None)]
+
+
+@pytest.mark.parametrize("variant_id, dtype, head_dim, page_size, group, shape, chunk", _PRODUCER,
+                         ids=[f"{v}-{SHORT[d]}-d{h}-p{p}-g{g}-{s}-{c or 'auto'}"
+                              for v, d, h, p, g, s, c in _PRODUCER])
+@pytest.mark.parametrize("tma", ["1", "0"])
+def test_fp8_converted_by_the_producer(cp, error_log, monkeypatch, tma, variant_id, dtype,
+                                       head_dim, page_size, group, shape, chunk):
+    monkeypatch.setenv("ATTNLANG_PREFILL_TMA", tma)
+    qo, kv = _LENGTHS[shape]
+    run_fp8(cp, variant_id, qo, kv, num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+            dtype=dtype, page_size=page_size, seed=7300 + head_dim + group, error_log=error_log,
+            kv_chunk_size=chunk, prefill_min_rows=group - 1 if shape == "decode" else None,
+            expect=(False, True) if shape == "decode" else None,
+            where=f"fp8 tma={tma} {variant_id} {shape} d{head_dim} p{page_size} g{group}")
 
 
 @pytest.mark.parametrize("arrays", ["cupy", "torch"])
