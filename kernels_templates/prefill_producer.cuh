@@ -53,7 +53,7 @@ __device__ __forceinline__ void convert_rows_ahead(T* k_stage, T* v_stage, const
 // stays in flight (waiting on each to convert it ran prefill at 0.47x of bf16 against 0.71x).
 // kTma (kProducerConverts): the copies land on `landed` instead, and the producer, whose threads
 // the copy engine has freed, converts each tile once it has landed, then arrives on `full`
-// (0.62x -> 0.75-0.82x of bf16: benchmarks/NOTES.md).
+// (0.62x -> 0.73-0.83x of bf16: benchmarks/NOTES.md).
 template <bool kTma>
 __device__ __forceinline__ void produce_items(
     const KvT* k_cache, const KvT* v_cache, const int* kv_indices, const int* work_indptr,
