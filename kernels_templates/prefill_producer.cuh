@@ -4,40 +4,6 @@
 // Spliced verbatim by prefill_common.cu.j2 inside namespace attnlang::prefill_kernel, after
 // prefill_tiles.cuh (the tile cursor and the copies it uses): not a header of its own.
 
-// (kProducerConverts) A landed tile's raw rows as T, in place, by the producer's threads,
-// kRawLanes to a row, as dequantize_rows does; but each pass's loads are issued before the
-// pass before it stores (other rows: no hazard), so their latency hides under that pass's
-// conversion (5-8% faster than dequantize_rows; converting K and V in separate passes, or in
-// batches of passes, ran slower: benchmarks/NOTES.md).
-__device__ __forceinline__ void convert_rows_ahead(T* k_stage, T* v_stage, const int ptid,
-                                                   const float2 scale) {
-  constexpr int kRowsPerPass = kProducer ? kProducerThreads / kRawLanes : 1;  // (else unused)
-  constexpr int kPasses = kTileKeys / kRowsPerPass;
-  const int piece = ptid % kRawLanes;
-  const int raw0 = (piece >> 3) * (kTileKeys * 64) + 8 * (piece & 7) + (ptid / kRawLanes) * 64;
-  const float k_factor = kFoldScales ? 1.0f : scale.x, v_factor = kFoldScales ? 1.0f : scale.y;
-  uint4 k_raw = *reinterpret_cast<const uint4*>(k_stage + raw0);
-  uint4 v_raw = *reinterpret_cast<const uint4*>(v_stage + raw0);
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) {
-    const int key = ptid / kRawLanes + pass * kRowsPerPass;
-    __syncwarp();  // the row's lanes have read their pieces: the stores below overwrite them
-    uint4 k_next = k_raw, v_next = v_raw;
-    if (pass + 1 < kPasses) {
-      k_next = *reinterpret_cast<const uint4*>(k_stage + raw0 + (pass + 1) * kRowsPerPass * 64);
-      v_next = *reinterpret_cast<const uint4*>(v_stage + raw0 + (pass + 1) * kRowsPerPass * 64);
-    }
-    store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece), k_raw.x, k_raw.y, k_factor);
-    store_e4m3x8(k_stage + swizzle<kTileKeys>(key, 2 * piece + 1), k_raw.z, k_raw.w, k_factor);
-    store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece), v_raw.x, v_raw.y,
-                 v_factor);
-    store_e4m3x8(v_stage + swizzle<kTileKeys, kHeadDimVO>(key, 2 * piece + 1), v_raw.z,
-                 v_raw.w, v_factor);
-    k_raw = k_next;
-    v_raw = v_next;
-  }
-}
-
 // The producer warpgroup (kProducer; `ptid` its thread, 0 .. kProducerThreads - 1): walks the
 // CTA's work items and their visible tiles in the order the computing warps do and copies
 // each into the ring, the n-th tile of the CTA (over all its items) into V stage n % kStages
@@ -161,7 +127,7 @@ __device__ __forceinline__ void produce_items(
         // The tile's bytes have landed (every producer thread's arrival, the boxes' bytes; a
         // partial tile's cp.async): rewritten as T in place, then published to wgmma.
         mbar_wait(landed_bar + 8 * stage, laps & 1);
-        convert_rows_ahead(
+        dequantize_rows<kProducerThreads, kConvertKeys | kConvertValues, true>(
             reinterpret_cast<T*>(__cvta_shared_to_generic(k_smem + k_stage * (kKStageElems * 2))),
             reinterpret_cast<T*>(__cvta_shared_to_generic(v_smem + stage * (kVStageElems * 2))),
             ptid, kv_scale);

@@ -49,11 +49,11 @@ constexpr unsigned kGroupBarrier = 3;  // + warpgroup (3, 4): one warpgroup's 12
 // TMA tiles (kProducer, pages of a multiple of kTmaBoxRows tokens): a tile whose keys all lie
 // inside its item is copied by the copy engine in boxes of 64 columns by kTmaBoxRows keys,
 // 128-byte swizzled on arrival exactly as wgmma reads them (an fp8 cache: 128 bytes by
-// kTmaBoxRows keys, as the raw rows the computing warps convert); the other tiles
-// (an item's partial last tile, whose keys past kv_end must land as zeros; an item starting
-// off a box row) stay cp.async. Four threads issue a tile's boxes where the producer
-// warpgroup's 128 threads each did 32 cp.async and their addresses (without those copies the
-// kernel ran 31-52% faster: benchmarks/NOTES.md). The maps come from the host
+// kTmaBoxRows keys, the raw rows, converted in shared memory: kProducerConverts below); the
+// other tiles (an item's partial last tile, whose keys past kv_end must land as zeros; an
+// item starting off a box row) stay cp.async. Four threads issue a tile's boxes where the
+// producer warpgroup's 128 threads each did 32 cp.async and their addresses (without those
+// copies the kernel ran 31-52% faster: benchmarks/NOTES.md). The maps come from the host
 // (runtime/tensor_maps.py): [0, 128) K's template, [128, 256) V's, and from byte kTmaCtaMaps
 // this call's K and V maps of each CTA, which its producer writes at the start. Not where the
 // module compiler found the producer's registers (56; 40 where the logits have per-tile terms)

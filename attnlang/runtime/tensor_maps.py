@@ -4,7 +4,7 @@ Where the prefill kernel has a producer warpgroup (the wgmma path at head dims 1
 and the cache's pages are a multiple of BOX_ROWS tokens (a contiguous cache is one page per
 request), the producer copies each tile whose keys all lie inside its work item by TMA:
 boxes of BOX_ROWS keys x 64 columns (128 bytes, swizzled on arrival as wgmma reads them; an
-fp8 cache's: 128 e4m3 bytes, as the raw rows its computing warps convert), one per box row
+fp8 cache's: 128 e4m3 bytes, the raw rows, converted in shared memory), one per box row
 and column block, issued by one thread of each of its four warps. A map holds the cache's
 address, which may change from one call to the next, and run() must stay cheap (CUDA graphs
 replay its kernels' arguments as captured); so the host encodes one template per cache,
@@ -83,7 +83,7 @@ def map_templates(head_dim: int, head_dim_vo: int, num_kv_heads: int, kv_dtype: 
 def _encode(head_dim: int, num_kv_heads: int, fp8: bool, address: int) -> bytes:
     """A tiled map of a contiguous [tokens, num_kv_heads, head_dim] cache: boxes of 64
     2-byte elements x 1 head x BOX_ROWS tokens, 128-byte swizzle (wgmma's layout); an fp8
-    cache's of 128 bytes, unswizzled (the raw rows its computing warps convert)."""
+    cache's of 128 bytes, unswizzled (the raw rows, converted in shared memory)."""
     from attnlang.runtime import hostpath
 
     fn = hostpath.libcuda().cuTensorMapEncodeTiled
