@@ -5,7 +5,9 @@ skewed batch of 64 (lognormal lengths around 1024, sigma 1, clipped to [64, 3276
 tokens). bf16, 32 query / 8 KV heads, head_dim 128, one query token per request.
 
 Contenders:
-- attnlang: paged KV, page 16, pages in a shuffled order; plain run() and CUDA-graph replay.
+- attnlang: paged KV, page 16, pages in a shuffled order; plain run() and CUDA-graph replay
+  (a decode loop's BatchAttention: max_qo_len=1, so a graph holds only the kernels a decode
+  step reaches).
 - FlashInfer 0.7.2 BatchDecodeWithPagedKVCacheWrapper on the same page table and caches:
   plain run() (plan outside the timed region) and, through a second wrapper built with
   use_cuda_graph=True and fixed index buffers, CUDA-graph replay.
@@ -200,7 +202,7 @@ class Prepared:
 def prep_attnlang(al, torch, wl: Workload, variant, params=None) -> Prepared:
     attn = C.make_batch_attention(
         al, variant, num_qo_heads=HQ, num_kv_heads=HKV, head_dim=HEAD_DIM, dtype="bfloat16",
-        page_size=PAGE, max_batch_size=wl.batch, max_total_q=wl.batch,
+        page_size=PAGE, max_batch_size=wl.batch, max_total_q=wl.batch, max_qo_len=1,
         max_kv_indices=wl.num_pages)
     attn.plan(wl.qo_indptr, wl.kv_indptr, wl.kv_indices, wl.kv_last_page_len)
     outs = [torch.empty_like(s.q) for s in wl.sets]

@@ -9,7 +9,8 @@ Prefill: one causal prompt of 4096 and of 16384 tokens, 32 / 8 heads.
 
 Contenders (CUDA-graph replay but FlashInfer fp8, whose run() does not capture: plain calls;
 inputs rotated so a cycle exceeds the L2):
-- attnlang bf16 cache, attnlang fp8 cache (per-head k_scale / v_scale device tensors), and
+- attnlang bf16 cache, attnlang fp8 cache (per-head k_scale / v_scale device tensors; for
+  decode a decode loop's BatchAttention, max_qo_len=1, whose graph holds no prefill launch), and
   for the GQA decode steps the fp8 cache in the prefill kernel too (prefill_min_rows=3, the
   bf16 cache's default: the wgmma path that decoded fp8 GQA steps before decode_mma);
 - FlashInfer 0.7.2 BatchDecodeWithPagedKVCacheWrapper, bf16 and fp8 caches (kv_data_type
@@ -145,7 +146,10 @@ def main() -> int:
         # instead of the decode kernel that takes it by default with an fp8 cache
         kinds = ["bf16", "fp8"] + (["fp8_pf"] if not prefill and kv_heads == HKV else [])
         for kv in kinds:
-            extra = {"prefill_min_rows": GROUP - 1} if kv == "fp8_pf" else {}
+            # a decode loop's BatchAttention: one query per request (max_qo_len), so its
+            # graph holds no launch of a kernel no such plan reaches
+            extra = ({"prefill_min_rows": GROUP - 1} if kv == "fp8_pf" else
+                     {} if prefill else {"max_qo_len": 1})
             attn = al.BatchAttention(causal, HQ, kv_heads, D, page_size=PAGE,
                                      kv_dtype=None if kv == "bf16" else "fp8",
                                      max_batch_size=batch, max_total_q=total_q,

@@ -50,7 +50,13 @@ from attnlang.runtime.arrays import (
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
 from attnlang.runtime.kv_scales import KvScales
-from attnlang.runtime.launches import launch, load_kernels, merge_grid, pack_launches
+from attnlang.runtime.launches import (
+    graph_kernels,
+    launch,
+    load_kernels,
+    merge_grid,
+    pack_launches,
+)
 from attnlang.runtime.module import KernelModule, check_module_fits, module_for
 from attnlang.runtime.plan_mixed import BatchPlan, plan_mixed, worst_case_mixed_bounds
 from attnlang.runtime.planner import CapacityError, PlanBounds, PlanError
@@ -97,6 +103,12 @@ class BatchAttention:
         max_batch_size, max_total_q: the largest batch plan() will accept; with
             max_kv_indices (most page-table entries in one batch) they size the workspace,
             allocated once here so its pointers never move (CUDA graphs).
+        max_qo_len: the most queries one request has in any plan (default: max_total_q).
+            A decode loop passes 1 (or its speculative depth): the kernels of the longer
+            requests it will never plan are then left out of the CUDA graphs run() is
+            captured in (an fp8 cache's decode step in a graph ran 2.5-7% faster without the
+            prefill kernel's empty launch: benchmarks/NOTES.md). plan() refuses a longer
+            request.
         max_work_items, max_partial_rows, max_merge_rows: planner capacities; by default
             the worst case for (max_batch_size, max_total_q) with automatic KV splitting,
             so only a kv_chunk_size override in plan() can exceed them (with cascade=True,
@@ -160,8 +172,9 @@ class BatchAttention:
     def __init__(self, variant_or_module: ir.Variant | KernelModule, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: Any = "bfloat16",
                  page_size: int = 16, *, max_batch_size: int = 256, max_total_q: int = 8192,
-                 max_kv_indices: int = 1 << 20, max_work_items: int | None = None,
-                 max_partial_rows: int | None = None, max_merge_rows: int | None = None,
+                 max_qo_len: int | None = None, max_kv_indices: int = 1 << 20,
+                 max_work_items: int | None = None, max_partial_rows: int | None = None,
+                 max_merge_rows: int | None = None,
                  arch: str | None = None, num_ctas: int | None = None,
                  num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
                  device: int | None = None, head_dim_vo: int | None = None,
@@ -171,7 +184,7 @@ class BatchAttention:
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                     head_dim_vo, kv_dtype)
         check_construction(max_batch_size=max_batch_size, max_total_q=max_total_q,
-                           max_kv_indices=max_kv_indices,
+                           max_qo_len=max_qo_len, max_kv_indices=max_kv_indices,
                            max_pair_mask_bytes=max_pair_mask_bytes,
                            max_work_items=max_work_items, max_partial_rows=max_partial_rows,
                            max_merge_rows=max_merge_rows, num_ctas=num_ctas,
@@ -249,13 +262,10 @@ class BatchAttention:
 
         self._driver, self._runtime = driver, runtime
         # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
-        # A request has qo_len * group fused rows, from group up to max_total_q * group.
-        reachable = {
-            "cascade": cascade,
-            "decode": s.group_size <= self.prefill_min_rows,
-            "prefill": max_total_q * s.group_size > self.prefill_min_rows,
-            "merge": True,
-        }
+        # A request has qo_len * group fused rows, from group up to max_qo_len * group.
+        self.max_qo_len = max_total_q if max_qo_len is None else int(max_qo_len)
+        reachable = graph_kernels(s.group_size, self.prefill_min_rows, self.max_qo_len,
+                                  cascade=cascade)
         self._launches = pack_launches(self._kernels, self._dev.pointers, s,
                                        len(self.module.params),
                                        merge_grid(self._kernels, self.bounds.max_merge_rows))
@@ -327,6 +337,10 @@ class BatchAttention:
 
         inputs = validate_plan_inputs(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
                                       page_size=self.shape.page_size)
+        longest = int(inputs.qo_lens.max(initial=0))
+        if longest > self.max_qo_len:
+            raise CapacityError("max_qo_len", longest, self.max_qo_len,
+                                "queries in one request")
         if inputs.kv_indices.shape[0] > self.max_kv_indices:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
                                 self.max_kv_indices, "page-table entries (kv_indices)")

@@ -24,7 +24,7 @@ from attnlang.runtime.validate import AttentionShape
 from attnlang.runtime.workspace import PackedArgs
 
 __all__ = ["Kernels", "Launch", "launch", "load_kernels", "merge_grid", "pack_launches",
-           "dependent_launch"]
+           "dependent_launch", "graph_kernels"]
 
 # CTAs per SM when num_ctas is not given: the kernel's occupancy, capped. Beyond a few CTAs
 # per SM, more CTAs only shrink the KV chunks (more partial states to merge) without adding
@@ -106,6 +106,23 @@ def merge_grid(kernels: Kernels, max_merge_rows: int) -> int:
     """The merge kernel's fixed grid: enough CTAs for max_merge_rows, a few per SM at most."""
     ctas = -(-max_merge_rows // max(1, kernels.configs["merge"].rows_per_tile))
     return max(1, min(ctas, _MERGE_CTAS_PER_SM * num_sms(kernels.device)))
+
+
+def graph_kernels(group_size: int, prefill_min_rows: int, max_qo_len: int, *,
+                  cascade: bool) -> dict[str, bool]:
+    """The kernels a CUDA graph of run() must hold, by kind: those some plan within the
+    bounds can reach. A request of qo_len queries has qo_len * group_size fused rows (from
+    group_size up to max_qo_len * group_size); more than prefill_min_rows go to the prefill
+    kernel. (A captured launch whose kernel has no work still runs its grid: an empty prefill
+    launch cost an fp8 decode step 2.5-7%.)
+
+    >>> graph_kernels(4, 8, 1, cascade=False)  # GQA 4 decode steps, an fp8 cache
+    {'cascade': False, 'decode': True, 'prefill': False, 'merge': True}
+    """
+    return {"cascade": cascade,
+            "decode": group_size <= prefill_min_rows,
+            "prefill": max_qo_len * group_size > prefill_min_rows,
+            "merge": True}
 
 
 def dependent_launch(arch: str) -> bool:

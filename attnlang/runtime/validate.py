@@ -447,7 +447,8 @@ def _check_same_device(arrays: list[tuple[str, TensorInfo]]) -> None:
                              f"{first.device}; all inputs must be on one GPU")
 
 
-def check_construction(*, max_batch_size: Any, max_total_q: Any, max_kv_indices: Any,
+def check_construction(*, max_batch_size: Any, max_total_q: Any, max_qo_len: Any = None,
+                       max_kv_indices: Any,
                        max_pair_mask_bytes: Any, max_work_items: Any, max_partial_rows: Any,
                        max_merge_rows: Any, num_ctas: Any, num_prefill_ctas: Any,
                        prefill_min_rows: Any, cascade: Any) -> None:
@@ -457,6 +458,11 @@ def check_construction(*, max_batch_size: Any, max_total_q: Any, max_kv_indices:
                         ("max_kv_indices", max_kv_indices),
                         ("max_pair_mask_bytes", max_pair_mask_bytes)):
         check_count(name, value)
+    if max_qo_len is not None:
+        check_count("max_qo_len", max_qo_len)
+        if max_qo_len > max_total_q:
+            raise ValueError(f"max_qo_len ({max_qo_len}) must not exceed max_total_q "
+                             f"({max_total_q}): a request's queries are part of its batch's")
     for name, value in (("max_work_items", max_work_items),
                         ("max_partial_rows", max_partial_rows),
                         ("max_merge_rows", max_merge_rows), ("num_ctas", num_ctas),

@@ -23,6 +23,7 @@ import attnlang
 from attnlang.fp8 import from_e4m3, to_e4m3
 from attnlang.reference import attention_paged
 from attnlang.runtime.arrays import round_to_dtype
+from attnlang.runtime.planner import CapacityError
 from tests.runtime.test_gpu_attention import (
     SHORT,
     TOLERANCE,
@@ -351,13 +352,15 @@ def test_fp8_errors(cp):
         bf16.run(q, (cp.zeros((1, 16, 2, 64), np.uint16),) * 2, k_scale=1.0, v_scale=1.0)
 
 
-def test_fp8_cuda_graph(cp):
-    # capture with device scales; replay after new scale values and a new plan
+@pytest.mark.parametrize("max_qo_len", [None, 1])
+def test_fp8_cuda_graph(cp, max_qo_len):
+    # capture with device scales; replay after new scale values and a new plan. max_qo_len=1:
+    # a decode loop's graph, without the prefill kernel's launch (launches.graph_kernels).
     variant = attnlang.load(VARIANT_PATHS["causal"])
     rng = np.random.default_rng(73)
     hq, hkv, d, page = 8, 2, 128, 16
     attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=4,
-                                   max_total_q=64)
+                                   max_total_q=64, max_qo_len=max_qo_len)
     pages = 64
     k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
     v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
@@ -395,3 +398,7 @@ def test_fp8_cuda_graph(cp):
         ref, _ = attention_paged(variant, round_to_dtype(q_host, "bfloat16"), seen_k, seen_v,
                                  *tab)
         assert rel_l2(from_device(cp, out, "bfloat16"), ref) <= TOLERANCE["bfloat16"]
+    if max_qo_len == 1:  # a request of two queries is refused, naming the bound
+        _, indptr, indices, last = table([100, 300, 17, 250])
+        with pytest.raises(CapacityError, match="max_qo_len=2"):
+            attn.plan(np.array([0, 2, 3, 4, 5]), indptr, indices, last)

@@ -74,3 +74,17 @@ def test_a_dependent_launch_hands_the_driver_one_attribute(monkeypatch):
     assert dependent.ex_config.stream is None  # each launch sets the stream on a copy
     L.launch(driver, L.Launch(0x100, (264, 1, 1), (128, 1, 1), 0, args), 0x77)
     assert plain == [(0x100, 264, 1, 1, 128, 1, 1, 0, 0x77, 0xBEEF0, 0)]
+
+
+@pytest.mark.parametrize("group, min_rows, max_qo_len, cascade, expected", [
+    (4, 8, 1, False, {"decode", "merge"}),                # fp8 decode steps: no prefill launch
+    (4, 8, 2, False, {"decode", "merge"}),                # 8 rows still decode on tensor cores
+    (4, 8, 3, False, {"decode", "prefill", "merge"}),     # 12 rows may reach prefill
+    (4, 3, 1, False, {"prefill", "merge"}),               # bf16 GQA steps run in prefill
+    (1, 3, 1, True, {"cascade", "decode", "merge"}),      # MHA decode steps
+    (1, 3, 8192, False, {"decode", "prefill", "merge"}),  # the default: max_total_q
+])
+def test_a_graph_holds_the_kernels_a_plan_can_reach(group, min_rows, max_qo_len, cascade,
+                                                    expected):
+    kinds = L.graph_kernels(group, min_rows, max_qo_len, cascade=cascade)
+    assert {kind for kind, held in kinds.items() if held} == expected

@@ -116,6 +116,10 @@ def test_batch_attention_checks_arguments_before_touching_a_gpu():
         attnlang.BatchAttention(SOFTCAP, 8, 4, 128, max_total_q=0)
     with pytest.raises(TypeError, match="max_partial_rows"):
         attnlang.BatchAttention(SOFTCAP, 8, 4, 128, max_partial_rows=1.5)
+    with pytest.raises(ValueError, match="max_qo_len must be a positive integer, got 0"):
+        attnlang.BatchAttention(SOFTCAP, 8, 4, 128, max_qo_len=0)
+    with pytest.raises(ValueError, match=r"max_qo_len \(65\) must not exceed max_total_q \(64\)"):
+        attnlang.BatchAttention(SOFTCAP, 8, 4, 128, max_total_q=64, max_qo_len=65)
     with pytest.raises(ValueError, match="prefill_min_rows must be an integer >= 0, got -1"):
         attnlang.BatchAttention(SOFTCAP, 8, 4, 128, prefill_min_rows=-1)
     with pytest.raises(TypeError, match="prefill_min_rows"):
@@ -516,6 +520,8 @@ def test_workspace_image_holds_the_plan_at_fixed_offsets():
 def test_page_table_capacity_error_names_the_bound():
     e = CapacityError("max_kv_indices", 2000, 1000, "page-table entries (kv_indices)")
     assert "max_kv_indices=2000" in str(e) and "BatchAttention" in str(e)
+    e = CapacityError("max_qo_len", 2, 1, "queries in one request")
+    assert "needs 2 queries in one request" in str(e) and "max_qo_len=2" in str(e)
 
 
 # ---------------------------------------------------------------- compiled modules
