@@ -394,7 +394,7 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     the q and output stages), kv_tile a CTA's tile of every warp's keys.
 
     >>> launch_config("decode", 128, 4, decode_mma=True)
-    LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=114944, kv_tile=128)
+    LaunchConfig(block=(16, 8, 1), rows_per_tile=8, smem_bytes=102400, kv_tile=128)
     """
     shape = template_shape(kind, head_dim, dtype, arch, head_dim_vo, fine_tiles,
                            decode_mma=decode_mma and kind == "decode")
@@ -410,9 +410,9 @@ def launch_config(kind: str, head_dim: int, group_size: int, dtype: str = "bfloa
     if kind in ("prefill", "cascade"):
         rows = 16 * shape.row_blocks * (shape.max_threads // 32)
         return LaunchConfig((shape.block_threads, 1, 1), rows, shape.smem_bytes, shape.kv_tile)
-    if shape.decode_mma:  # the warps' rings of e4m3 bytes, then their states (o, m, d) per row
-        states = _DECODE_MMA_WARPS * DECODE_MMA_ROWS * (head_dim_vo + 2) * 4
-        smem = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) + states
+    if shape.decode_mma:  # the warps' rings of e4m3 bytes (their states at an item's end), Q
+        rings = shape.stages * shape.kv_tile * (head_dim + head_dim_vo)
+        smem = rings + DECODE_MMA_ROWS * head_dim * 4
         return LaunchConfig((shape.tx, shape.max_threads // shape.tx, 1), DECODE_MMA_ROWS, smem,
                             shape.kv_tile)
     stages = shape.stages * shape.kv_tile * (head_dim + head_dim_vo) * size  # K and V stages
