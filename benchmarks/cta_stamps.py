@@ -57,6 +57,8 @@ _ENTRY = 'extern "C" __global__'
 _START = "  const unsigned long long stamp_start = attnlang_now();\n"
 _WAIT = ("  wait_for_prerequisites();  // ... and this one reads nothing before the one before "
          "is done\n")
+_LAST_ITEM_END = ("                                   num_kv_heads, params);\n"
+                  "    }\n  }\n")
 _ITEM_END = ("        named_arrive(kItemBarrier, kThreads + kProducerThreads);\n"
              "      }\n    }\n  }\n")
 
@@ -65,9 +67,7 @@ PATCHES: dict[str, list[tuple[str, str]]] = {
     "decode_mma.cu.j2": [
         (_ENTRY, _PRELUDE + _ENTRY),
         ("  wait_for_prerequisites();\n", "  wait_for_prerequisites();\n" + _START),
-        ("    __syncthreads();  // the states are read: the Q tile's space is free\n  }\n}",
-         "    __syncthreads();  // the states are read: the Q tile's space is free\n  }\n"
-         "  if (tid == 0) attnlang_stamp(stamp_start);\n}"),
+        (_LAST_ITEM_END + "}", _LAST_ITEM_END + "  if (tid == 0) attnlang_stamp(stamp_start);\n}"),
     ],
     "prefill_entry.cu.j2": [
         (_ENTRY, _PRELUDE + _ENTRY),
