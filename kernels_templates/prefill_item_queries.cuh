@@ -6,9 +6,12 @@
     // tiles' loads); the barrier publishes them. Not unrolled: it runs once per item, and an
     // unrolled hook per pass costs code and registers the tile loop needs.
     cp_async_wait<kProducer ? 0 : kAhead>();
-    // The sign of sm_scale and (kFoldScales) the K scale of the item's KV head go into Q.
-    const float q_factor = kFoldScales ? q_sign * kv_scale.x : q_sign;
-    if (variant::kHasQuery || q_factor != 1.0f) {  // uniform
+    // The sign of sm_scale and (kFoldScales) the K scale of the item's KV head go into Q
+    // (kFp8Qk: into the rows' factors, so that q stays exact in hi + lo).
+    const float q_factor = kFoldScales && !kFp8Qk ? q_sign * kv_scale.x : q_sign;
+    unsigned char* const q_bytes = reinterpret_cast<unsigned char*>(q_smem);
+    float* const q_row_factors_out = distance_smem;  // (kFp8Qk: no distance table)
+    if (variant::kHasQuery || q_factor != 1.0f || kFp8Qk) {  // uniform
 #pragma unroll 1
       for (int pass = 0; pass < kRows / kGroups; ++pass) {
         const int r = group_id + pass * kGroups;
@@ -25,9 +28,13 @@
         }
 #pragma unroll
         for (int i = 0; i < VEC; ++i) x[i] *= q_factor;
+        if constexpr (kFp8Qk) {
+          split_query_row(x, r, tx, kv_scale.x, q_bytes, q_row_factors_out);
+        } else {
 #pragma unroll
-        for (int c = 0; c < kLaneChunks; ++c) {
-          store8<T>(q_smem + swizzle<kRows>(r, tx * kLaneChunks + c), chunk8(x, c));
+          for (int c = 0; c < kLaneChunks; ++c) {
+            store8<T>(q_smem + swizzle<kRows>(r, tx * kLaneChunks + c), chunk8(x, c));
+          }
         }
       }
     }

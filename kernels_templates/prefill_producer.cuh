@@ -125,9 +125,11 @@ __device__ __forceinline__ void produce_items(
       }
       if constexpr (kTma && kProducerConverts) {
         // The tile's bytes have landed (every producer thread's arrival, the boxes' bytes; a
-        // partial tile's cp.async): rewritten as T in place, then published to wgmma.
+        // partial tile's cp.async): rewritten as T in place (kFp8Qk: the values; wgmma reads
+        // the raw keys), then published to wgmma.
         mbar_wait(landed_bar + 8 * stage, laps & 1);
-        dequantize_rows<kProducerThreads, kConvertKeys | kConvertValues, true>(
+        dequantize_rows<kProducerThreads, kFp8Qk ? kConvertValues : kConvertKeys | kConvertValues,
+                        true>(
             reinterpret_cast<T*>(__cvta_shared_to_generic(k_smem + k_stage * (kKStageElems * 2))),
             reinterpret_cast<T*>(__cvta_shared_to_generic(v_smem + stage * (kVStageElems * 2))),
             ptid, kv_scale);

@@ -170,13 +170,19 @@ __device__ __forceinline__ void transform_scores(float (&s_frag)[kRowBlocks][kKe
 // The online softmax over one step's scores (after transform_scores), for the first kBlocks
 // row blocks: each row's new max, rescale[fr] = the factor for its old o and d (exactly 1
 // when the max did not move), d updated, and s_frag replaced by the weights
-// p = 2^(s score_scale - m score_scale).
-template <int kBlocks>
+// p = 2^(s score_scale - m score_scale). score_scale: one for every row, or (kFp8Qk) a row's
+// own per fragment row.
+__device__ __forceinline__ float row_scale(const float scale, int) { return scale; }
+__device__ __forceinline__ float row_scale(const float (&scale)[kFragRows], const int fr) {
+  return scale[fr];
+}
+template <int kBlocks, typename Scale>
 __device__ __forceinline__ void softmax_step(WarpState& st, float (&s_frag)[kRowBlocks][kKeyTiles][4],
-                                             const float score_scale, float (&rescale)[kFragRows]) {
+                                             const Scale& scales, float (&rescale)[kFragRows]) {
 #pragma unroll
   for (int fr = 0; fr < 2 * kBlocks; ++fr) {
     const int b = fr >> 1, h = fr & 1;
+    const float score_scale = row_scale(scales, fr);
     float m_new = st.m[fr];
 #pragma unroll
     for (int j = 0; j < kKeyTiles; ++j) {

@@ -27,6 +27,8 @@ constexpr unsigned kItemBarrier = 2;
 // sees them) and V's into the output (o is linear in v), so a chunk is converted, not also
 // multiplied: e4m3 values are exact in T. Not where the logits have per-tile terms either:
 // their kernels sit at the register limit, and T5's spilled 136 bytes with the fold.
+constexpr bool kFoldScales = kKvFp8 && !variant::kHasKey && !variant::kHasValue &&
+                             !variant::kDistanceTerm && variant::kUniformTerms == 0;
 // An fp8 cache beside a producer: its tiles copied as whole rows of bytes, 16 per lane
 // (load_rows_fp8), kRawLanes lanes to a row; the computing threads make them T
 // (dequantize_rows).
@@ -35,8 +37,22 @@ constexpr bool kFp8Rows = kKvFp8 && kProducer;
 // (DeferredValues), where no key or value hook must see the whole converted tile first.
 constexpr bool kDeferValues = kFp8Rows && !variant::kHasKey && !variant::kHasValue;
 constexpr int kRawLanes = kHeadDim / 16;
-constexpr bool kFoldScales = kKvFp8 && !variant::kHasKey && !variant::kHasValue &&
-                             !variant::kDistanceTerm && variant::kUniformTerms == 0;
+// (kFoldScales beside a producer, bf16 q, whole 128-byte rows) The scores on e4m3 tensor
+// cores: the keys stay the raw bytes their copy put in the K stage (128-byte swizzled, as
+// wgmma reads them), and each query row enters as two e4m3 rows, hi + lo, times a power of two
+// of its own (split_query_row): 4 + 4 significant bits, a bf16's 8 exactly. S = (Q_hi + Q_lo)
+// K^T is two e4m3 matmuls at twice bf16's rate, and the producer converts the values alone.
+// (f16 q carries 11 bits: its keys are still converted.) The raw keys fill half their stage.
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
+constexpr bool kFp8Qk = kFoldScales && kProducer && IsBf16<T>::value && kHeadDim % 128 == 0 &&
+                        kHeadDimVO == kHeadDim;
+// (kFp8Qk) kQLoBytes: Q_lo's place after Q_hi in the Q tile, which the two fill; the rows'
+// factors 2^-e k_scale (raw scores times them are the scores) are a float per row in the
+// distance table's place (a kFp8Qk variant has no distance term).
+constexpr int kQLoBytes = kRows * kHeadDim;
+constexpr int kQkSteps8 = kHeadDim / 32;    // (kFp8Qk) k-steps of 32 e4m3 values
+static_assert(!kFp8Qk || kDistanceFloats >= kRows, "a factor per row in the distance table");
 // Split keys (kProducer): an item whose rows fit the first warpgroup (a decode step's GQA
 // group, a short chunk) would leave the second idle while the first's per-tile chain (wait,
 // convert, S, softmax, P V) sets the pace. Instead the warpgroups take alternate tiles of it,

@@ -272,8 +272,10 @@ __device__ __forceinline__ WarpTileRows<kRowLanes> warp_tile_rows(
 // bytes (piece j: elements 16 j .. 16 j + 15, the chunks 2 j and 2 j + 1) with one full-width
 // cp.async.cg, so a warp instruction moves 512 bytes as a T cache's do (8-byte copies moved
 // 256 and capped the producer near 8 bytes per cycle: benchmarks/NOTES.md). Piece j of key
-// `key` lands unswizzled at column block j / 8, row key, byte 16 (j % 8): the row's raw bytes
-// fill its slots in the first column blocks, which dequantize_rows then rewrites as T.
+// `key` lands at column block j / 8, row key, byte 16 (j % 8) of a value and 16 ((j % 8) XOR
+// (key % 8)) of a key (the 128-byte swizzle: where kFp8Qk's wgmma reads the raw keys, and
+// where a TMA box of keys puts them): the row's raw bytes fill its slots in the first column
+// blocks, which dequantize_rows then rewrites as T (kFp8Qk: the values only).
 template <typename Rows>
 __device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsigned v_stage,
                                               const char* k_row, const char* v_row,
@@ -281,15 +283,18 @@ __device__ __forceinline__ void load_rows_fp8(const unsigned k_stage, const unsi
                                               const int tile_start, const int group_id,
                                               const int piece, const int k_token_bytes,
                                               const int v_token_bytes) {
-  const unsigned dst0 = (piece >> 3) * (kTileKeys * 128) + 16 * (piece & 7);
+  static_assert(Rows::kGroups % 8 == 0, "a thread's keys share their low 3 bits (the swizzle)");
+  const unsigned dst0 = (piece >> 3) * (kTileKeys * 128) + group_id * 128;
+  const unsigned k_dst = k_stage + dst0 + 16 * ((piece ^ group_id) & 7);
+  const unsigned v_dst = v_stage + dst0 + 16 * (piece & 7);
 #pragma unroll
   for (int pass = 0; pass < Rows::kPasses; ++pass) {
     const int key = group_id + pass * Rows::kGroups;
     const bool valid = tile_start + key < kv_end;
     const long long token = rows(pass);
-    const unsigned dst = dst0 + key * 128;
-    cp_async_16_shared(k_stage + dst, k_row + token * k_token_bytes, valid);
-    cp_async_16_shared(v_stage + dst, v_row + token * v_token_bytes, valid);
+    const unsigned step = pass * Rows::kGroups * 128;
+    cp_async_16_shared(k_dst + step, k_row + token * k_token_bytes, valid);
+    cp_async_16_shared(v_dst + step, v_row + token * v_token_bytes, valid);
   }
 }
 
@@ -308,14 +313,18 @@ __device__ __forceinline__ void dequantize_rows(T* k_stage, T* v_stage, const in
   constexpr bool kKeys = (kParts & kConvertKeys) != 0, kValues = (kParts & kConvertValues) != 0;
   constexpr int kRowsPerPass = kConverters / kRawLanes;
   constexpr int kPasses = kTileKeys / kRowsPerPass;
+  static_assert(kRowsPerPass % 8 == 0, "a thread's rows share their low 3 bits (the swizzle)");
   const int piece = tid % kRawLanes;
-  const int raw0 = (piece >> 3) * (kTileKeys * 64) + 8 * (piece & 7);  // elements of T
+  const int raw0 = (piece >> 3) * (kTileKeys * 64);  // elements of T
+  // The piece's place in its row: a key's swizzled by the row (whose low 3 bits are the same in
+  // every pass: kRowsPerPass is a multiple of 8).
+  const int k_raw0 = raw0 + 8 * ((piece ^ (tid / kRawLanes)) & 7), v_raw0 = raw0 + 8 * (piece & 7);
   const float k_factor = kFoldScales ? 1.0f : scale.x, v_factor = kFoldScales ? 1.0f : scale.y;
   uint4 k_raw, v_raw;  // this pass's pieces
   const auto load = [&](const int pass, uint4& k, uint4& v) {
     const int key = tid / kRawLanes + pass * kRowsPerPass;
-    if constexpr (kKeys) k = *reinterpret_cast<const uint4*>(k_stage + raw0 + key * 64);
-    if constexpr (kValues) v = *reinterpret_cast<const uint4*>(v_stage + raw0 + key * 64);
+    if constexpr (kKeys) k = *reinterpret_cast<const uint4*>(k_stage + k_raw0 + key * 64);
+    if constexpr (kValues) v = *reinterpret_cast<const uint4*>(v_stage + v_raw0 + key * 64);
   };
   if constexpr (kAhead) load(0, k_raw, v_raw);
 #pragma unroll
@@ -361,3 +370,42 @@ struct DeferredValues {
     }
   }
 };
+
+// (kFp8Qk) One query row r as e4m3 hi and lo rows at their places in the Q tile (Q_hi over its
+// first column blocks, Q_lo kQLoBytes on; 128-byte rows, swizzled as wgmma reads them), from
+// this lane's VEC values x (elements tx VEC .., bf16 values) times 2^e: e brings the row's
+// largest |x| into [2^7, 2^8), inside e4m3's normal range. hi rounds a value to 4 significant
+// bits and lo holds the other 4 of its 8, exactly, down to 2^-9 of the row's largest (below,
+// e4m3's subnormal step 2^-9 rounds lo). The row's first lane writes 2^-e k_scale to
+// factors[r]: a raw score times it is the score (clamped as the kernel's score_scale is). The row's TX lanes meet in the max's
+// shuffles, so each has read its chunks of the bf16 row before any of them writes over it.
+__device__ __forceinline__ void split_query_row(const float (&x)[VEC], const int r, const int tx,
+                                                const float k_scale, unsigned char* const q_tile,
+                                                float* const factors) {
+  float top = 0.0f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) top = fmaxf(top, fabsf(x[i]));
+  const unsigned row_lanes = TX == 32 ? 0xffffffffu : ((1u << TX) - 1u) << (threadIdx.x & 31 & ~(TX - 1));
+#pragma unroll
+  for (int o = TX / 2; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(row_lanes, top, o, TX));
+  // top = 2^E (1 + f): e = 7 - E (capped so 2^e stays a float; a zero row's 0).
+  const int e = top > 0.0f ? imin(134 - static_cast<int>(__float_as_uint(top) >> 23), 126) : 0;
+  const float scale = __uint_as_float(static_cast<unsigned>(127 + e) << 23);
+#pragma unroll
+  for (int p = 0; p < VEC / 8; ++p) {  // 8 values, 8 bytes of hi and of lo, at a time
+    unsigned pair[4];  // split_e4m3x2 of values 2 i, 2 i + 1
+#pragma unroll
+    for (int i = 0; i < 4; ++i) pair[i] = split_e4m3x2(x[8 * p + 2 * i] * scale, x[8 * p + 2 * i + 1] * scale);
+    const int col = tx * VEC + 8 * p;  // the piece's first byte in the row
+    const int at = (col >> 7) * (kRows * 128) + r * 128 + ((((col >> 4) ^ r) & 7) << 4) + (col & 15);
+    *reinterpret_cast<uint2*>(q_tile + at) =
+        make_uint2(__byte_perm(pair[0], pair[1], 0x5410), __byte_perm(pair[2], pair[3], 0x5410));
+    *reinterpret_cast<uint2*>(q_tile + kQLoBytes + at) =
+        make_uint2(__byte_perm(pair[0], pair[1], 0x7632), __byte_perm(pair[2], pair[3], 0x7632));
+  }
+  // (At least the smallest normal float: a factor of 0 would make a row's -inf max a NaN.)
+  if (tx == 0) {
+    factors[r] = fmaxf(__uint_as_float(static_cast<unsigned>(127 - e) << 23) * k_scale,
+                       1.17549435e-38f);
+  }
+}

@@ -47,7 +47,10 @@ __device__ __forceinline__ void flush_pv(WarpState& st, PendingPv& pv) {
 // q_tile: shared address of the warpgroup's first Q row in column block 0; k_stage /
 // v_stage: the tile's stages. convert_values: (kDeferValues) the tile's values, converted
 // while its matmuls run. K-step kk of S reads 32 bytes along the 128-byte rows of
-// column block kk / 4 of Q and K (K-major, 8-row groups 1024 bytes apart).
+// column block kk / 4 of Q and K (K-major, 8-row groups 1024 bytes apart): 16 T values, or
+// (kFp8Qk) 32 e4m3 values of Q_hi, then of Q_lo, and of the raw keys; their raw scores
+// times row_factor (this lane's rows') are the scores: folded into the softmax's scale, or
+// multiplied in before a logits hook or, softmax off, sm_scale.
 template <int kMask, bool kOverlap, int kTerms = -1>
 __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const unsigned q_tile,
                                            const unsigned k_stage, const unsigned v_stage,
@@ -56,7 +59,8 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
                                            const variant::Params& params,
                                            const Index (&row_ix)[kFragRows],
                                            const unsigned columns, const TileTerms& terms,
-                                           const DeferredValues& convert_values) {
+                                           const DeferredValues& convert_values,
+                                           const float (&row_factor)[kFragRows]) {
   // Tile-uniform tiles: the rows' parts of the logits (a table read each for T5) before the
   // matmul, whose time hides their latency (after it, it was exposed: benchmarks/NOTES.md).
   // A tile-uniform unmasked tile whose logits are the score plus a row's offset (T5's bias)
@@ -76,12 +80,22 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
   const unsigned long long q_desc = sw128_desc(q_tile, 16, 1024);
   const unsigned long long k_desc = sw128_desc(k_stage, 16, 1024);
   wgmma_fence();
+  if constexpr (kFp8Qk) {
 #pragma unroll
-  for (int kk = 0; kk < kQkSteps; ++kk) {
-    const unsigned q_off = (kk >> 2) * (kRows * 128) + (kk & 3) * 32;
-    const unsigned k_off = (kk >> 2) * (kTileKeys * 128) + (kk & 3) * 32;
-    wgmma_qk(s_frag[0], desc_at(q_desc, q_off), desc_at(k_desc, k_off),
-             kk > 0);  // the first k-step writes S (its old contents are never read)
+    for (int kk = 0; kk < 2 * kQkSteps8; ++kk) {  // Q_hi's k-steps, then Q_lo's
+      const int step = kk % kQkSteps8;
+      const unsigned q_off = (kk / kQkSteps8) * kQLoBytes + (step >> 2) * (kRows * 128) + (step & 3) * 32;
+      const unsigned k_off = (step >> 2) * (kTileKeys * 128) + (step & 3) * 32;
+      wgmma_qk_e4m3(s_frag[0], desc_at(q_desc, q_off), desc_at(k_desc, k_off), kk > 0);
+    }
+  } else {
+#pragma unroll
+    for (int kk = 0; kk < kQkSteps; ++kk) {
+      const unsigned q_off = (kk >> 2) * (kRows * 128) + (kk & 3) * 32;
+      const unsigned k_off = (kk >> 2) * (kTileKeys * 128) + (kk & 3) * 32;
+      wgmma_qk(s_frag[0], desc_at(q_desc, q_off), desc_at(k_desc, k_off),
+               kk > 0);  // the first k-step writes S (its old contents are never read)
+    }
   }
   wgmma_commit();
   if constexpr (kOverlap) issue_pv(st, pv);
@@ -92,6 +106,14 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
     wgmma_wait<0>();
   }
   pin(s_frag[0]);
+  constexpr bool kRowScaled = kFp8Qk && variant::kSoftmax && !variant::kHasLogits;
+  if constexpr (kFp8Qk && !kRowScaled) {
+#pragma unroll
+    for (int j = 0; j < kKeyTiles; ++j) {
+#pragma unroll
+      for (int c = 0; c < 4; ++c) s_frag[0][j][c] *= row_factor[c >> 1];
+    }
+  }
   float rescale[kFragRows];
   if constexpr (kAdditive) {
     // Logits s sm_scale + a row's offset: no hook per score, the offset joins the softmax's.
@@ -109,7 +131,16 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
       transform_scores<kMask, 1>(s_frag, tile_start, kv_end, 2 * (lane & 3), sm_scale, params,
                                  row_ix, terms, columns);
     }
-    if constexpr (variant::kSoftmax) softmax_step<1>(st, s_frag, score_scale, rescale);
+    if constexpr (kRowScaled) {
+      float scales[kFragRows];
+#pragma unroll
+      for (int fr = 0; fr < kFragRows; ++fr) {
+        scales[fr] = fmaxf(score_scale * row_factor[fr], 1.17549435e-38f);  // as score_scale
+      }
+      softmax_step<1>(st, s_frag, scales, rescale);
+    } else if constexpr (variant::kSoftmax) {
+      softmax_step<1>(st, s_frag, score_scale, rescale);
+    }
   }
   if constexpr (kOverlap) {
     wgmma_wait<0>();

@@ -99,7 +99,9 @@ def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bo
     element of n-tile j, c as in an mma.sync C fragment; the register order of the PTX ISA's
     wgmma D fragment). A from shared memory (descriptor, K-major) or registers (the mma.sync
     A fragment of the warp's 16 rows); B from shared memory, K-major for the former and
-    MN-major (transposed) for the latter; d = A B + (accumulate ? d : 0)."""
+    MN-major (transposed) for the latter; d = A B + (accumulate ? d : 0). ptx_type "e4m3":
+    m64n{n}k32 on e4m3 operands, both from shared memory and K-major (the only layout 8-bit
+    wgmma reads)."""
     acc = [f"d[{j}][{c}]" for j in range(n // 8) for c in range(4)]
     k = len(acc)  # operands %0 .. %k-1 are the accumulators, then A, B, accumulate
     if a_from_registers:
@@ -110,6 +112,9 @@ def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bo
     else:
         a_decl, a_ops, a_list = "const unsigned long long a_desc", '"l"(a_desc), ', f"%{k}"
         flags, b = "1, 1, 0, 0", k + 1  # scale-a, scale-b, transpose-a, transpose-b
+        if ptx_type == "e4m3":
+            flags = "1, 1"  # scale-a, scale-b (no transposes: K-major only)
+    k_step = 32 if ptx_type == "e4m3" else 16
     d_list = ", ".join(f"%{i}" for i in range(k))
     outs = ",\n        ".join(", ".join(f'"+f"({x})' for x in acc[i:i + 8])
                                for i in range(0, k, 8))
@@ -118,7 +123,7 @@ def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bo
         f"__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_decl},\n"
         f"    const unsigned long long b_desc, const int accumulate) {{\n"
         f'  asm volatile("{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{b + 1}, 0;\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k_step}.f32.{ptx_type}.{ptx_type} "\n'
         f'      "{{ {d_list} }}, {a_list}, %{b}, p, {flags};\\n}}\\n"\n'
         f"      : {outs}\n"
         f'      : {a_ops}"l"(b_desc), "r"(accumulate));\n'
@@ -127,9 +132,10 @@ def _wgmma_call(name: str, doc: str, n: int, ptx_type: str, a_from_registers: bo
 
 
 def _wgmma_source(shape: config.TemplateShape) -> str:
-    """The wgmma helpers (wgmma.cuh) and this instance's two wrappers: wgmma_qk (S = Q K^T,
-    N = sub_keys keys) and wgmma_pv (O += P V, N = head_dim_vo). Spliced into every prefill
-    source; only the wgmma path calls them, so other targets never emit them."""
+    """The wgmma helpers (wgmma.cuh) and this instance's wrappers: wgmma_qk (S = Q K^T,
+    N = sub_keys keys), wgmma_pv (O += P V, N = head_dim_vo) and wgmma_qk_e4m3 (S on e4m3
+    tiles: an fp8 cache's kernel with bf16 q, prefill_shape.cuh's kFp8Qk). Spliced into every
+    prefill source; only the wgmma path calls them, so other targets never emit them."""
     ptx = _PTX_TYPE[shape.dtype]
     return "\n".join((
         _header("wgmma.cuh"),
@@ -138,6 +144,8 @@ def _wgmma_source(shape: config.TemplateShape) -> str:
                     ptx, a_from_registers=False),
         _wgmma_call("wgmma_pv", "O (+)= P V: P in registers, V in shared memory (MN-major)",
                     shape.head_dim_vo, ptx, a_from_registers=True),
+        _wgmma_call("wgmma_qk_e4m3", "S (+)= Q K^T on e4m3 tiles (an fp8 cache's raw keys, kFp8Qk)",
+                    shape.sub_keys, "e4m3", a_from_registers=False),
         "}  // namespace attnlang",
     ))
 

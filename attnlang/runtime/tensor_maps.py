@@ -4,7 +4,8 @@ Where the prefill kernel has a producer warpgroup (the wgmma path at head dims 1
 and the cache's pages are a multiple of BOX_ROWS tokens (a contiguous cache is one page per
 request), the producer copies each tile whose keys all lie inside its work item by TMA:
 boxes of BOX_ROWS keys x 64 columns (128 bytes, swizzled on arrival as wgmma reads them; an
-fp8 cache's: 128 e4m3 bytes, the raw rows, converted in shared memory), one per box row
+fp8 cache's: 128 e4m3 bytes, the raw rows, keys swizzled and values not, converted in shared
+memory where the kernel does not read them raw: prefill_shape.cuh's kFp8Qk), one per box row
 and column block, issued by one thread of each of its four warps. A map holds the cache's
 address, which may change from one call to the next, and run() must stay cheap (CUDA graphs
 replay its kernels' arguments as captured); so the host encodes one template per cache,
@@ -76,27 +77,29 @@ def map_templates(head_dim: int, head_dim_vo: int, num_kv_heads: int, kv_dtype: 
     """The buffer's first CTA_MAPS bytes: K's and V's templates, encoded at `address` (any
     16-byte-aligned device address: the kernel replaces it). Needs the CUDA driver; raises
     RuntimeError if it refuses a map."""
-    return b"".join(_encode(dim, num_kv_heads, kv_dtype == KV_FP8, address)
-                    for dim in (head_dim, head_dim_vo))
+    fp8 = kv_dtype == KV_FP8
+    return (_encode(head_dim, num_kv_heads, fp8, address, swizzle=True) +
+            _encode(head_dim_vo, num_kv_heads, fp8, address, swizzle=not fp8))
 
 
-def _encode(head_dim: int, num_kv_heads: int, fp8: bool, address: int) -> bytes:
+def _encode(head_dim: int, num_kv_heads: int, fp8: bool, address: int, swizzle: bool) -> bytes:
     """A tiled map of a contiguous [tokens, num_kv_heads, head_dim] cache: boxes of 64
     2-byte elements x 1 head x BOX_ROWS tokens, 128-byte swizzle (wgmma's layout); an fp8
-    cache's of 128 bytes, unswizzled (the raw rows, converted in shared memory)."""
+    cache's of 128 bytes, the raw rows: its keys swizzled (where wgmma reads them raw, or the
+    conversion finds them), its values not (converted in shared memory)."""
     from attnlang.runtime import hostpath
 
     fn = hostpath.libcuda().cuTensorMapEncodeTiled
     fn.restype = ctypes.c_int
     u64x3, u32x3 = ctypes.c_uint64 * 3, ctypes.c_uint32 * 3
-    size, kind, cols, swizzle = (1, _UINT8, 128, _SWIZZLE_NONE) if fp8 else (
-        2, _UINT16, 64, _SWIZZLE_128B)
+    size, kind, cols = (1, _UINT8, 128) if fp8 else (2, _UINT16, 64)
     space = (ctypes.c_uint8 * (MAP_BYTES + 64))()  # the map must be 64-byte aligned
     at = -ctypes.addressof(space) % 64
     status = fn(ctypes.c_void_p(ctypes.addressof(space) + at), kind, 3,
                 ctypes.c_void_p(address), u64x3(head_dim, num_kv_heads, _TOKEN_EXTENT),
                 (ctypes.c_uint64 * 2)(size * head_dim, size * head_dim * num_kv_heads),
-                u32x3(cols, 1, BOX_ROWS), u32x3(1, 1, 1), _INTERLEAVE_NONE, swizzle,
+                u32x3(cols, 1, BOX_ROWS), u32x3(1, 1, 1), _INTERLEAVE_NONE,
+                _SWIZZLE_128B if swizzle else _SWIZZLE_NONE,
                 _L2_PROMOTION_256B, _OOB_FILL_NONE)
     if status != 0:
         raise RuntimeError(f"cuTensorMapEncodeTiled refused the cache's map (CUresult {status})")

@@ -50,6 +50,7 @@ struct alignas(16) uint4 { unsigned x, y, z, w; };
 struct alignas(8) uint2 { unsigned x, y; };
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
+inline uint2 make_uint2(unsigned a, unsigned b) { return {a, b}; }
 
 struct half { uint16_t bits; };
 struct __nv_bfloat16 { uint16_t bits; };
@@ -88,6 +89,7 @@ inline float __cosf(float x) { return cosf(x); }
 inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
 inline float __int_as_float(int i) { float f; memcpy(&f, &i, 4); return f; }
 inline int __float_as_int(float f) { int i; memcpy(&i, &f, 4); return i; }
+inline unsigned __float_as_uint(float f) { unsigned i; memcpy(&i, &f, 4); return i; }
 // Byte i of the result is byte (s >> 4 i) & 7 of the pair {y, x} (x the low word): PRMT.
 inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s) {
   const unsigned long long v = ((unsigned long long)y << 32) | x;

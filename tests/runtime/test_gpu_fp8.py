@@ -56,18 +56,28 @@ def quantize(rng, batch, num_kv_heads: int):
 
 def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
             seed, error_log, where, scales="tensor", arrays="cupy", kv_chunk_size=None,
-            head_dim_vo=None, expect=None, prefill_min_rows=None):
+            head_dim_vo=None, expect=None, prefill_min_rows=None, q_exponent=None):
     rng = np.random.default_rng(seed)
     variant = (attnlang.load(VARIANT_PATHS[variant_id]) if isinstance(variant_id, str)
                else variant_id)  # a parsed variant
     qo, kv = np.asarray(qo), np.asarray(kv)
     batch = make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dtype,
                        head_dim_vo)
+    sm_scale = None
+    if q_exponent is not None:
+        # Query rows of 2^(q_exponent - 4) .. 2^(q_exponent + 1) (exact in any dtype) and one
+        # zero row, the softmax scale 2^-q_exponent / sqrt(head_dim): logits of the usual size.
+        # (Rows of 4x the logits put the lse of the e4m3 matmul's scores at the tolerance's
+        # edge: their accumulation keeps ~1e-3 of the score, benchmarks/NOTES.md.)
+        exponents = rng.integers(q_exponent - 4, q_exponent + 2, batch.q.shape[:2])
+        batch.q[...] *= 2.0 ** exponents[..., None]
+        batch.q[rng.integers(len(batch.q)), rng.integers(num_qo_heads)] = 0.0
+        sm_scale = 2.0 ** -q_exponent / np.sqrt(head_dim)
     (k_bits, k_seen, k_scale), (v_bits, v_seen, v_scale) = quantize(rng, batch, num_kv_heads)
     params = make_params(variant, rng, qo, kv, num_qo_heads, num_kv_heads, head_dim,
                          head_dim_vo)
     ref_o, ref_lse = attention_paged(variant, batch.q, k_seen, v_seen, *batch.table,
-                                     params=params)
+                                     params=params, sm_scale=sm_scale)
     extra = {}
     if kv_chunk_size is not None:
         extra = dict(max_work_items=1 << 16, max_partial_rows=1 << 18, max_merge_rows=1 << 17)
@@ -102,7 +112,8 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
         out = torch.from_dlpack(out)
         if dtype == "bfloat16":
             out = out.view(torch.bfloat16)
-    got, lse = attn.run(q, (kc, vc), params, out=out, return_lse=True, k_scale=ks, v_scale=vs)
+    got, lse = attn.run(q, (kc, vc), params, out=out, return_lse=True, k_scale=ks, v_scale=vs,
+                        sm_scale=sm_scale)
     if arrays == "torch":
         got = cp.from_dlpack(got.view(torch.uint16) if dtype == "bfloat16" else got)
         lse = cp.from_dlpack(lse)
@@ -177,6 +188,33 @@ def test_fp8_converted_by_the_producer(cp, error_log, monkeypatch, tma, variant_
             kv_chunk_size=chunk, prefill_min_rows=group - 1 if shape == "decode" else None,
             expect=(False, True) if shape == "decode" else None,
             where=f"fp8 tma={tma} {variant_id} {shape} d{head_dim} p{page_size} g{group}")
+
+
+# With bf16 q and no key or value hook, the wgmma prefill kernel multiplies the raw e4m3 keys
+# on e4m3 tensor cores, each query row split into two e4m3 rows hi + lo times a power of two of
+# its own (prefill_shape.cuh's kFp8Qk): q of 2^-20 and of 2^20 (e4m3 reaches 2^-9 .. 448), rows
+# 2^5 apart and a zero row, the scores scaled back before a logits hook (softcap) or without a
+# softmax (flash_sigmoid), head dim 256, keys copied by TMA and by cp.async (pages of 8), GQA
+# decode steps (split keys).
+_SPLIT_Q = [("causal", 128, 16, 4, "prefill", None, -20), ("causal", 256, 8, 2, "chunk", None, 20),
+            ("softcap", 128, 16, 1, "prefill", None, 20),
+            ("flash_sigmoid", 128, 16, 2, "prefill", None, -20),
+            ("causal", 128, 16, 4, "decode", None, 20),
+            ("sliding_window", 128, 16, 1, "chunk", 100, -20)]
+
+
+@pytest.mark.parametrize("variant_id, head_dim, page_size, group, shape, chunk, q_exponent",
+                         _SPLIT_Q, ids=[f"{v}-d{h}-p{p}-g{g}-{s}-q2^{e}"
+                                        for v, h, p, g, s, _, e in _SPLIT_Q])
+def test_fp8_scores_from_split_queries(cp, error_log, variant_id, head_dim, page_size, group,
+                                       shape, chunk, q_exponent):
+    qo, kv = _LENGTHS[shape]
+    run_fp8(cp, variant_id, qo, kv, num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+            dtype="bfloat16", page_size=page_size, seed=7400 + head_dim + group,
+            error_log=error_log, kv_chunk_size=chunk, q_exponent=q_exponent,
+            prefill_min_rows=group - 1 if shape == "decode" else None,
+            expect=(False, True) if shape == "decode" else None,
+            where=f"fp8 split q {variant_id} {shape} d{head_dim} p{page_size} g{group}")
 
 
 @pytest.mark.parametrize("arrays", ["cupy", "torch"])

@@ -762,6 +762,32 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(const unsigned w, unsigned& lo
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Two floats -> e4m3 (x0 in the low byte), rounded to nearest even, saturated to +-448 (sm_89+).
+__device__ __forceinline__ unsigned float2_to_e4m3x2(const float x0, const float x1) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(x1), "f"(x0));
+  return r;
+}
+
+// x0, x1 as the sum of two e4m3 pairs, hi + lo (the low byte x0's): hi rounds x, lo rounds what
+// hi left, so hi + lo carries 8 significant bits, a bf16's, where x stays within e4m3's
+// normal range (|x| <= 448). Returns hi | lo << 16.
+__device__ __forceinline__ unsigned split_e4m3x2(const float x0, const float x1) {
+  const unsigned hi = float2_to_e4m3x2(x0, x1);
+  unsigned back;  // hi as f16x2, exactly
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(back) : "h"(static_cast<unsigned short>(hi)));
+  const float2 h = Vec<half>::to_float2(back);
+  return hi | float2_to_e4m3x2(x0 - h.x, x1 - h.y) << 16;
+}
+#else
+// (Only kFp8Qk kernels call it, which are sm_90a's.)
+__device__ __forceinline__ unsigned split_e4m3x2(float, float) {
+  asm volatile("trap;");
+  return 0u;
+}
+#endif
+
 // Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
 template <typename T>
 __device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
@@ -1179,7 +1205,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) * (1.0f / 1.7320508075688772f));
   }
 }
-#line 1183 "kitchen_sink_decode.cu"
+#line 1209 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1226,19 +1252,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1230 "kitchen_sink_decode.cu"
+#line 1256 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) * (1.0f / 1.4142135623730951f)) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1236 "kitchen_sink_decode.cu"
+#line 1262 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1242 "kitchen_sink_decode.cu"
+#line 1268 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1261,14 +1287,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1265 "kitchen_sink_decode.cu"
+#line 1291 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1272 "kitchen_sink_decode.cu"
+#line 1298 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

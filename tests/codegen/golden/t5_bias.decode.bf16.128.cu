@@ -762,6 +762,32 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(const unsigned w, unsigned& lo
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Two floats -> e4m3 (x0 in the low byte), rounded to nearest even, saturated to +-448 (sm_89+).
+__device__ __forceinline__ unsigned float2_to_e4m3x2(const float x0, const float x1) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(x1), "f"(x0));
+  return r;
+}
+
+// x0, x1 as the sum of two e4m3 pairs, hi + lo (the low byte x0's): hi rounds x, lo rounds what
+// hi left, so hi + lo carries 8 significant bits, a bf16's, where x stays within e4m3's
+// normal range (|x| <= 448). Returns hi | lo << 16.
+__device__ __forceinline__ unsigned split_e4m3x2(const float x0, const float x1) {
+  const unsigned hi = float2_to_e4m3x2(x0, x1);
+  unsigned back;  // hi as f16x2, exactly
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(back) : "h"(static_cast<unsigned short>(hi)));
+  const float2 h = Vec<half>::to_float2(back);
+  return hi | float2_to_e4m3x2(x0 - h.x, x1 - h.y) << 16;
+}
+#else
+// (Only kFp8Qk kernels call it, which are sm_90a's.)
+__device__ __forceinline__ unsigned split_e4m3x2(float, float) {
+  asm volatile("trap;");
+  return 0u;
+}
+#endif
+
 // Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
 template <typename T>
 __device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
@@ -1181,13 +1207,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((attnlang::imax((ix.q_pos - ix.kv_pos), 0) < 16) ? attnlang::imax((ix.q_pos - ix.kv_pos), 0) : attnlang::imin((16 + attnlang::float_to_int((attnlang::div_invariant(__logf((((float)(attnlang::imax((ix.q_pos - ix.kv_pos), 0))) * (1.0f / 16.0f))), 2.0794415416798357f) * 16.0f))), 31)), 32));
 }
-#line 1185 "t5_bias_decode.cu"
+#line 1211 "t5_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 19 "examples/t5_bias.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1191 "t5_bias_decode.cu"
+#line 1217 "t5_bias_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1197,7 +1223,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 19 "examples/t5_bias.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1201 "t5_bias_decode.cu"
+#line 1227 "t5_bias_decode.cu"
 
 inline constexpr int kUniformTerms = 1;
 inline constexpr bool kUniformAdditive = true;
@@ -1227,7 +1253,7 @@ __device__ __forceinline__ float logits_uniform_offset(const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return r.r0;
 }
-#line 1231 "t5_bias_decode.cu"
+#line 1257 "t5_bias_decode.cu"
 
 inline constexpr bool kDistanceTerm = true;
 inline constexpr bool kDistanceByHead = true;
@@ -1241,7 +1267,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 18 "examples/t5_bias.attn"
   return (s + t);
 }
-#line 1245 "t5_bias_decode.cu"
+#line 1271 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

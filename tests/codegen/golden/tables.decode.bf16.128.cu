@@ -762,6 +762,32 @@ __device__ __forceinline__ void e4m3x4_to_half2x2(const unsigned w, unsigned& lo
 #endif
 }
 
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+// Two floats -> e4m3 (x0 in the low byte), rounded to nearest even, saturated to +-448 (sm_89+).
+__device__ __forceinline__ unsigned float2_to_e4m3x2(const float x0, const float x1) {
+  unsigned short r;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;\n" : "=h"(r) : "f"(x1), "f"(x0));
+  return r;
+}
+
+// x0, x1 as the sum of two e4m3 pairs, hi + lo (the low byte x0's): hi rounds x, lo rounds what
+// hi left, so hi + lo carries 8 significant bits, a bf16's, where x stays within e4m3's
+// normal range (|x| <= 448). Returns hi | lo << 16.
+__device__ __forceinline__ unsigned split_e4m3x2(const float x0, const float x1) {
+  const unsigned hi = float2_to_e4m3x2(x0, x1);
+  unsigned back;  // hi as f16x2, exactly
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;\n" : "=r"(back) : "h"(static_cast<unsigned short>(hi)));
+  const float2 h = Vec<half>::to_float2(back);
+  return hi | float2_to_e4m3x2(x0 - h.x, x1 - h.y) << 16;
+}
+#else
+// (Only kFp8Qk kernels call it, which are sm_90a's.)
+__device__ __forceinline__ unsigned split_e4m3x2(float, float) {
+  asm volatile("trap;");
+  return 0u;
+}
+#endif
+
 // Eight e4m3 values (two words, the lower byte first) as one chunk of T, times `scale`.
 template <typename T>
 __device__ __forceinline__ void store_e4m3x8(T* chunk, const unsigned lo, const unsigned hi,
@@ -1182,7 +1208,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 1186 "tables_decode.cu"
+#line 1212 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1191,13 +1217,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 14 "tests/variants/tables.attn"
   return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 1195 "tables_decode.cu"
+#line 1221 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
   return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 1201 "tables_decode.cu"
+#line 1227 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1207,7 +1233,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(attnlang::span_tri(p.u_keep, kv_lo, kv_hi, 64, attnlang::Known{ix.batch}, 0), tri_lt(IvI::top(), IvI::point(24))), tri_ge(iv_int(iv_mul(to_float(IvI{q_lo, q_hi}), IvF::point(0.5f))), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 1211 "tables_decode.cu"
+#line 1237 "tables_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
