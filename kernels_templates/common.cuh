@@ -20,10 +20,11 @@
 //   group_allreduce<TX>(v,op)  butterfly over the TX lanes of the group (every lane gets it)
 //   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
 //   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
-//   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
+//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
 //   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
+//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
 //   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
@@ -553,6 +554,10 @@ template <> struct Vec<half> {
     return *reinterpret_cast<const unsigned*>(&h);
   }
 };
+
+// Is U bf16? (Paths that treat bf16 as the top half of a float, or need its 8 bits.)
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
 template <> struct Vec<__nv_bfloat16> {
   static constexpr int kSize = 8;

@@ -43,8 +43,6 @@ constexpr int kRawLanes = kHeadDim / 16;
 // of its own (split_query_row): 4 + 4 significant bits, a bf16's 8 exactly. S = (Q_hi + Q_lo)
 // K^T is two e4m3 matmuls at twice bf16's rate, and the producer converts the values alone.
 // (f16 q carries 11 bits: its keys are still converted.) The raw keys fill half their stage.
-template <typename U> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 constexpr bool kFp8Qk = kFoldScales && kProducer && IsBf16<T>::value && kHeadDim % 128 == 0 &&
                         kHeadDimVO == kHeadDim;
 // (kFp8Qk) kQLoBytes: Q_lo's place after Q_hi in the Q tile, which the two fill; the rows'

@@ -385,9 +385,7 @@ __device__ __forceinline__ void split_query_row(const float (&x)[VEC], const int
   float top = 0.0f;
 #pragma unroll
   for (int i = 0; i < VEC; ++i) top = fmaxf(top, fabsf(x[i]));
-  const unsigned row_lanes = TX == 32 ? 0xffffffffu : ((1u << TX) - 1u) << (threadIdx.x & 31 & ~(TX - 1));
-#pragma unroll
-  for (int o = TX / 2; o > 0; o >>= 1) top = fmaxf(top, __shfl_xor_sync(row_lanes, top, o, TX));
+  top = group_allreduce<TX>(top, MaxOp{});
   // top = 2^E (1 + f): e = 7 - E (capped so 2^e stays a float; a zero row's 0).
   const int e = top > 0.0f ? imin(134 - static_cast<int>(__float_as_uint(top) >> 23), 126) : 0;
   const float scale = __uint_as_float(static_cast<unsigned>(127 + e) << 23);

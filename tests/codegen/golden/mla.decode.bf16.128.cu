@@ -66,10 +66,11 @@
 //   group_allreduce<TX>(v,op)  butterfly over the TX lanes of the group (every lane gets it)
 //   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
 //   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
-//   Vec<T>                   16-byte packs of T <-> float[8] (global / shared memory)
+//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
 //   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
 //   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
 //   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
+//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
 //   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
 //   convert8<T>              the same without a scale (the kernel folds it elsewhere)
 //   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
@@ -599,6 +600,10 @@ template <> struct Vec<half> {
     return *reinterpret_cast<const unsigned*>(&h);
   }
 };
+
+// Is U bf16? (Paths that treat bf16 as the top half of a float, or need its 8 bits.)
+template <typename U> struct IsBf16 { static constexpr bool value = false; };
+template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
 
 template <> struct Vec<__nv_bfloat16> {
   static constexpr int kSize = 8;
@@ -1207,7 +1212,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/mla.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1211 "mla_decode.cu"
+#line 1216 "mla_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1217,7 +1222,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/mla.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1221 "mla_decode.cu"
+#line 1226 "mla_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1339,9 +1344,6 @@ static_assert((kChunk & (kChunk - 1)) == 0 && kChunk <= TX,
 // 8 elements of T at a 16-byte aligned shared address -> float[8], the inner loop's K and V
 // reads. bf16 is the top half of a float: one shift or one AND per element (the generic
 // load8 spends a PRMT and a shift on every odd element).
-template <typename U> struct IsBf16 { static constexpr bool value = false; };
-template <> struct IsBf16<__nv_bfloat16> { static constexpr bool value = true; };
-
 __device__ __forceinline__ void load8_kv(const T* ptr, float (&x)[8]) {
   if constexpr (IsBf16<T>::value) {
     const uint4 raw = *reinterpret_cast<const uint4*>(ptr);
