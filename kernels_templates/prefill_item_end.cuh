@@ -69,11 +69,12 @@
           }
         }
         compute_sync();
+        PassRows<kGroups> rows(w, group_id, group);
 #pragma unroll kOutputUnroll
-        for (int pass = 0; pass < kRows / kGroups; ++pass) {
+        for (int pass = 0; pass < kRows / kGroups; ++pass, rows.next()) {
           const int r = group_id + pass * kGroups;
           if (r < w.rows) {  // uniform over the row's TX lanes
-            const QueryRow qr = query_row(w, r, group, cascade);
+            const QueryRow qr = rows.row(w, cascade);
             float x[VEC_VO];  // elements dim0_vo .. + VEC_VO - 1: float chunks dim0_vo / 4 ..
 #pragma unroll
             for (int c = 0; c < VEC_VO / 4; ++c) {

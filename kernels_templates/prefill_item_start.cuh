@@ -1,9 +1,13 @@
     // prefill_item_start.cuh: a work item's fields, the ranges its tiles are decided on, and its
     // queries' copy into shared memory. Spliced verbatim at the top of both prefill kernels'
     // item loop (prefill_mma.cu.j2, prefill_wgmma.cu.j2).
-    const WorkItem w = read_work_item(item, work_request, work_kv_head, work_row_start,
-                                      work_kv_start, work_kv_end, work_partial, qo_indptr,
-                                      kv_indptr, kv_last_page_len, page_size, group, cascade);
+    // (kFieldsAhead: read at the end of the item before.)
+    const WorkItem w = fields_read ? next_fields
+                                   : read_work_item(item, work_request, work_kv_head,
+                                                    work_row_start, work_kv_start, work_kv_end,
+                                                    work_partial, qo_indptr, kv_indptr,
+                                                    kv_last_page_len, page_size, group, cascade);
+    fields_read = false;
     // Query positions of the CTA's rows and of this warp's rows (ranges for mask_tile).
     const int q_pos0 = w.kv_len - w.qo_len;  // q_pos of query 0
     // Split keys: both warpgroups attend the first one's rows, taking alternate tiles.

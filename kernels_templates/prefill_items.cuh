@@ -65,12 +65,12 @@ struct QueryRow {
   int token, head, q_pos, batch, qo_len, kv_len;
 };
 
-__device__ __forceinline__ QueryRow query_row(const WorkItem& w, const int r, const int group,
-                                              const Cascade& cascade) {
-  const int fused = w.row_start + r;
-  const int qi = fused / group;  // query index within the request (kCascade: the group)
+// query_row_at: the same from the fused row's query qi (kCascade: within the group) and its
+// member of the group (fused = qi group + member; PassRows steps them).
+__device__ __forceinline__ QueryRow query_row_at(const WorkItem& w, const int qi, const int member,
+                                                 const int group, const Cascade& cascade) {
   const int token = w.q_begin + qi;
-  const int head = w.kv_head * group + (fused - qi * group);
+  const int head = w.kv_head * group + member;
   if constexpr (kCascade) {
     // Rows past the item's last (padding) read the last token's request.
     const int b = cascade.token_request[imin(token, w.q_begin + w.qo_len - 1)];
@@ -83,6 +83,43 @@ __device__ __forceinline__ QueryRow query_row(const WorkItem& w, const int r, co
     return {token, head, w.kv_len - w.qo_len + qi, w.batch, w.qo_len, w.kv_len};
   }
 }
+
+__device__ __forceinline__ QueryRow query_row(const WorkItem& w, const int r, const int group,
+                                              const Cascade& cascade) {
+  const int fused = w.row_start + r;
+  const int qi = fused / group;
+  return query_row_at(w, qi, fused - qi * group, group, cascade);
+}
+
+// The fused rows of a thread's passes over an item's rows (r0, r0 + kStep, ...) as query and
+// member, each from the one before. (The epilogue's stores: a division in each pass, behind
+// the pass's branch, made them a chain of ~250 cycles a pass; benchmarks/NOTES.md.)
+template <int kStep>
+struct PassRows {
+  int qi, member;      // the current pass's row
+  int step_q, step_m;  // kStep = step_q group + step_m
+  int group;
+
+  __device__ __forceinline__ PassRows(const WorkItem& w, const int r0, const int group_size)
+      : group(group_size) {
+    const int fused = w.row_start + r0;
+    qi = fused / group;
+    member = fused - qi * group;
+    step_q = kStep / group;
+    step_m = kStep - step_q * group;
+  }
+  __device__ __forceinline__ QueryRow row(const WorkItem& w, const Cascade& cascade) const {
+    return query_row_at(w, qi, member, group, cascade);
+  }
+  __device__ __forceinline__ void next() {
+    qi += step_q;
+    member += step_m;
+    if (member >= group) {
+      member -= group;
+      ++qi;
+    }
+  }
+};
 
 // The Index of a query row (no key position).
 __device__ __forceinline__ Index row_index(const QueryRow& qr, const int kv_head,

@@ -43,3 +43,8 @@
   // -inf * 0 would be NaN). With a logits hook scores are logits (natural units).
   const float score_scale = variant::kHasLogits ? kLog2e : fmaxf(fabsf(sm_scale) * kLog2e, 1.17549435e-38f);
   const float q_sign = (variant::kSoftmax && !variant::kHasLogits && sm_scale < 0.0f) ? -1.0f : 1.0f;
+
+  // A work item's fields, read ahead (kFieldsAhead): at the end of the item before, so that
+  // their two rounds of dependent loads land under its epilogue.
+  WorkItem next_fields{};
+  bool fields_read = false;

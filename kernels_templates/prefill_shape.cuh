@@ -99,6 +99,10 @@ constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 thread
 // 40 registers (per-tile logits terms): its conversion spilled 68 bytes with the loads ahead,
 // and without them ran T5 3% slower at S16384 than the computing warps' conversion.
 constexpr bool kProducerConverts = kFp8Rows && kTmaTiles && kProducerRegisters >= 56;
+// With a producer, an item's end reads the next item's fields (prefill_item_start.cuh); not at
+// head dim 256, whose epilogue holds twice the output's registers (spec_tree's fp8 kernel then
+// spilled 128 bytes).
+constexpr bool kFieldsAhead = kProducer && kHeadDimVO <= 128;
 
 static_assert(VEC * TX == kHeadDim && VEC_VO * TX == kHeadDimVO && VEC % 8 == 0 &&
               VEC_VO % 8 == 0 && sizeof(T) == 2, "whole 16-byte row chunks per lane");

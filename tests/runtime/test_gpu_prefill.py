@@ -191,6 +191,20 @@ def test_tile_skipping_with_split_kv(cp, error_log, chunk):
                   error_log=error_log, where=f"split sinks chunk {chunk}", kv_chunk_size=chunk)
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("group", [3, 6])
+def test_groups_that_divide_no_pass(cp, error_log, group, head_dim):
+    """A thread's epilogue passes step their (query, head) from the pass before (PassRows), and
+    a CTA reads its next item's fields under the epilogue: groups of 3 and 6 heads, which divide
+    neither a pass's rows nor an item's, on a grid of 5 CTAs with several items each."""
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    plan, _, _ = run_and_check(
+        cp, variant, (300, 77, 130), (700, 77, 900), num_qo_heads=2 * group, num_kv_heads=2,
+        head_dim=head_dim, dtype="bfloat16", page_size=16, seed=100 * group + head_dim,
+        error_log=error_log, where=f"group {group} d{head_dim}", num_prefill_ctas=5)
+    assert plan.prefill.num_work_items > 2 * 5
+
+
 @pytest.mark.parametrize("sm_scale", [-0.2, 0.0, 0.3])
 @pytest.mark.parametrize("variant_id", ["causal", "softcap", "flash_sigmoid", "t5_bias"])
 def test_sm_scale_sign_and_zero(cp, error_log, sm_scale, variant_id):
