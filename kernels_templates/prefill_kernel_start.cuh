@@ -41,7 +41,7 @@
   // Softmax on, no logits hook: scores are raw dot products of sign-folded q, and
   // score * score_scale is the logit in log2 units (the max clamp keeps sm_scale = 0 finite:
   // -inf * 0 would be NaN). With a logits hook scores are logits (natural units).
-  const float score_scale = variant::kHasLogits ? kLog2e : fmaxf(fabsf(sm_scale) * kLog2e, 1.17549435e-38f);
+  const float score_scale = variant::kHasLogits ? kLog2e : fmaxf(fabsf(sm_scale) * kLog2e, kMinNormal);
   const float q_sign = (variant::kSoftmax && !variant::kHasLogits && sm_scale < 0.0f) ? -1.0f : 1.0f;
 
   // A work item's fields, read ahead (kFieldsAhead): at the end of the item before, so that

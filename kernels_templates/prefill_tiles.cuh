@@ -377,8 +377,9 @@ struct DeferredValues {
 // largest |x| into [2^7, 2^8), inside e4m3's normal range. hi rounds a value to 4 significant
 // bits and lo holds the other 4 of its 8, exactly, down to 2^-9 of the row's largest (below,
 // e4m3's subnormal step 2^-9 rounds lo). The row's first lane writes 2^-e k_scale to
-// factors[r]: a raw score times it is the score (clamped as the kernel's score_scale is). The row's TX lanes meet in the max's
-// shuffles, so each has read its chunks of the bf16 row before any of them writes over it.
+// factors[r]: a raw score times it is the score (floored at kMinNormal, as the kernel's
+// score_scale is). The row's TX lanes meet in the max's shuffles, so each has read its chunks
+// of the bf16 row before any of them writes over it.
 __device__ __forceinline__ void split_query_row(const float (&x)[VEC], const int r, const int tx,
                                                 const float k_scale, unsigned char* const q_tile,
                                                 float* const factors) {
@@ -403,7 +404,6 @@ __device__ __forceinline__ void split_query_row(const float (&x)[VEC], const int
   }
   // (At least the smallest normal float: a factor of 0 would make a row's -inf max a NaN.)
   if (tx == 0) {
-    factors[r] = fmaxf(__uint_as_float(static_cast<unsigned>(127 - e) << 23) * k_scale,
-                       1.17549435e-38f);
+    factors[r] = fmaxf(__uint_as_float(static_cast<unsigned>(127 - e) << 23) * k_scale, kMinNormal);
   }
 }

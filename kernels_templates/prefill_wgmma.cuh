@@ -135,7 +135,7 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
       float scales[kFragRows];
 #pragma unroll
       for (int fr = 0; fr < kFragRows; ++fr) {
-        scales[fr] = fmaxf(score_scale * row_factor[fr], 1.17549435e-38f);  // as score_scale
+        scales[fr] = fmaxf(score_scale * row_factor[fr], kMinNormal);  // as score_scale
       }
       softmax_step<1>(st, s_frag, scales, rescale);
     } else if constexpr (variant::kSoftmax) {

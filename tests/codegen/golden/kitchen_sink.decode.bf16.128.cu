@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1210,7 +1212,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) * (1.0f / 1.7320508075688772f));
   }
 }
-#line 1214 "kitchen_sink_decode.cu"
+#line 1216 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1257,19 +1259,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1261 "kitchen_sink_decode.cu"
+#line 1263 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) * (1.0f / 1.4142135623730951f)) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1267 "kitchen_sink_decode.cu"
+#line 1269 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1273 "kitchen_sink_decode.cu"
+#line 1275 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1292,14 +1294,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1296 "kitchen_sink_decode.cu"
+#line 1298 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1303 "kitchen_sink_decode.cu"
+#line 1305 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

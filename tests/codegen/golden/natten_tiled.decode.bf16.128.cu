@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1212,7 +1214,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 22 "examples/natten_tiled.attn"
   return ((((((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) >= attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57)) && (((attnlang::floor_div(attnlang::floor_div(ix.kv_pos, 64), 8) * 8) + attnlang::floor_div((ix.kv_pos % 64), 8)) < (attnlang::imin(attnlang::imax((((attnlang::floor_div(attnlang::floor_div(ix.q_pos, 64), 8) * 8) + attnlang::floor_div((ix.q_pos % 64), 8)) - 3), 0), 57) + 7))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) >= attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57))) && ((((attnlang::floor_div(ix.kv_pos, 64) % 8) * 8) + (ix.kv_pos % 8)) < (attnlang::imin(attnlang::imax(((((attnlang::floor_div(ix.q_pos, 64) % 8) * 8) + (ix.q_pos % 8)) - 3), 0), 57) + 7)));
 }
-#line 1216 "natten_tiled_decode.cu"
+#line 1218 "natten_tiled_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1222,7 +1224,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 22 "examples/natten_tiled.attn"
   return tri_and(tri_and(tri_and(tri_ge(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57))), tri_lt(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_floordiv(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_floordiv(iv_mod(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7)))), tri_ge(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)))), tri_lt(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{kv_lo, kv_hi}, IvI::point(8))), iv_add(iv_clamp(iv_sub(iv_add(iv_mul(iv_mod(iv_floordiv(IvI{q_lo, q_hi}, IvI::point(64)), IvI::point(8)), IvI::point(8)), iv_mod(IvI{q_lo, q_hi}, IvI::point(8))), IvI::point(3)), IvI::point(0), IvI::point(57)), IvI::point(7))));
 }
-#line 1226 "natten_tiled_decode.cu"
+#line 1228 "natten_tiled_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1214,7 +1216,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 8 "examples/prefix_lm.attn"
   return ((ix.kv_pos < attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0)) || (ix.kv_pos <= ix.q_pos));
 }
-#line 1218 "prefix_lm_decode.cu"
+#line 1220 "prefix_lm_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1224,7 +1226,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 8 "examples/prefix_lm.attn"
   return tri_or(tri_lt(IvI{kv_lo, kv_hi}, IvI::point(attnlang::table_at(p.u_prefix, attnlang::Known{ix.batch}, 0))), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1228 "prefix_lm_decode.cu"
+#line 1230 "prefix_lm_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1231,7 +1233,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1235 "rope_norm_window_decode.cu"
+#line 1237 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1264,7 +1266,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1268 "rope_norm_window_decode.cu"
+#line 1270 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1273,13 +1275,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1277 "rope_norm_window_decode.cu"
+#line 1279 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1283 "rope_norm_window_decode.cu"
+#line 1285 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1301,14 +1303,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1305 "rope_norm_window_decode.cu"
+#line 1307 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1312 "rope_norm_window_decode.cu"
+#line 1314 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;

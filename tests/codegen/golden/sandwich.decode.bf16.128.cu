@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1212,13 +1214,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 10 "examples/sandwich.attn"
   return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) * (1.0f / 128.0f)) * 13.287712379549449f))))); return acc; }())));
 }
-#line 1216 "sandwich_decode.cu"
+#line 1218 "sandwich_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/sandwich.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1222 "sandwich_decode.cu"
+#line 1224 "sandwich_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1228,7 +1230,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/sandwich.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1232 "sandwich_decode.cu"
+#line 1234 "sandwich_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1252,7 +1254,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 10 "examples/sandwich.attn"
   return (s + t);
 }
-#line 1256 "sandwich_decode.cu"
+#line 1258 "sandwich_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1212,7 +1214,7 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 13 "examples/swin_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((((ix.q_pos / 7) - (ix.kv_pos / 7)) + 7) - 1), 13, ((((ix.q_pos % 7) - (ix.kv_pos % 7)) + 7) - 1), 13));
 }
-#line 1216 "swin_bias_decode.cu"
+#line 1218 "swin_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) { return true; }  // identity
 

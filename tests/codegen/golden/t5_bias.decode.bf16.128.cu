@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1212,13 +1214,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return (s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, ((attnlang::imax((ix.q_pos - ix.kv_pos), 0) < 16) ? attnlang::imax((ix.q_pos - ix.kv_pos), 0) : attnlang::imin((16 + attnlang::float_to_int((attnlang::div_invariant(__logf((((float)(attnlang::imax((ix.q_pos - ix.kv_pos), 0))) * (1.0f / 16.0f))), 2.0794415416798357f) * 16.0f))), 31)), 32));
 }
-#line 1216 "t5_bias_decode.cu"
+#line 1218 "t5_bias_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 19 "examples/t5_bias.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1222 "t5_bias_decode.cu"
+#line 1224 "t5_bias_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1228,7 +1230,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 19 "examples/t5_bias.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1232 "t5_bias_decode.cu"
+#line 1234 "t5_bias_decode.cu"
 
 inline constexpr int kUniformTerms = 1;
 inline constexpr bool kUniformAdditive = true;
@@ -1258,7 +1260,7 @@ __device__ __forceinline__ float logits_uniform_offset(const Params& p, const In
 #line 18 "examples/t5_bias.attn"
   return r.r0;
 }
-#line 1262 "t5_bias_decode.cu"
+#line 1264 "t5_bias_decode.cu"
 
 inline constexpr bool kDistanceTerm = true;
 inline constexpr bool kDistanceByHead = true;
@@ -1272,7 +1274,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 18 "examples/t5_bias.attn"
   return (s + t);
 }
-#line 1276 "t5_bias_decode.cu"
+#line 1278 "t5_bias_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false

@@ -51,6 +51,7 @@
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
 //   kLog2e, kLn2             log2(e) and ln(2) as floats
+//   kMinNormal               the smallest normal float (a floor for scales: 0 * -inf is NaN)
 //   neg_inf()                -inf
 //   ceil_div(a, b)           ceil(a / b) for a >= 0, b > 0
 //   request_kv_len(...)      a request's KV length from its page list (paged BSR layout)
@@ -110,6 +111,7 @@ struct Index {
 
 inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr float kLn2 = 0.6931471805599453f;
+inline constexpr float kMinNormal = 1.17549435e-38f;
 
 __device__ __forceinline__ float neg_inf() { return __uint_as_float(0xff800000u); }
 
@@ -1213,7 +1215,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 1217 "tables_decode.cu"
+#line 1219 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1222,13 +1224,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 14 "tests/variants/tables.attn"
   return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 1226 "tables_decode.cu"
+#line 1228 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
   return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 1232 "tables_decode.cu"
+#line 1234 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1238,7 +1240,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(attnlang::span_tri(p.u_keep, kv_lo, kv_hi, 64, attnlang::Known{ix.batch}, 0), tri_lt(IvI::top(), IvI::point(24))), tri_ge(iv_int(iv_mul(to_float(IvI{q_lo, q_hi}), IvF::point(0.5f))), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 1242 "tables_decode.cu"
+#line 1244 "tables_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
