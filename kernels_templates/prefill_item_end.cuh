@@ -50,6 +50,49 @@
             if (lane_col == 0) partial_lse[w.partial + r] = row_lse2[fr];
           }
         }
+      } else if constexpr (kOutputAsT) {
+        // Final item, no output hook: lse from the fragments; o as T into shared memory (the
+        // Q tile or the ring), two n-tiles of the warp's 16 rows per stmatrix, then 16-byte
+        // copies to out.
+        T* const out_smem = kOutputInQTile ? q_smem : reinterpret_cast<T*>(o_smem);
+#pragma unroll
+        for (int fr = 0; fr < kFragRows; ++fr) {
+          const int r = warp_row + 8 * fr + lane_row;
+          if (r < w.rows && lane_col == 0 && lse != nullptr) {
+            const QueryRow qr = query_row(w, r, group, cascade);
+            lse[static_cast<long long>(qr.token) * num_heads + qr.head] = row_lse2[fr] * kLn2;
+          }
+        }
+        // Lane l addresses row l % 8 of matrix l / 8: rows + 8 (l / 8 % 2), n-tile + l / 16.
+        const int st_row = warp_row + 8 * (ld_matrix & 1) + ld_row;
+#pragma unroll
+        for (int b = 0; b < kFragRows / 2; ++b) {
+#pragma unroll
+          for (int t = 0; t < kDimTiles; t += 2) {
+            const unsigned frags[4] = {
+                pack2<T>(st.o_frag[b][t][0], st.o_frag[b][t][1]),
+                pack2<T>(st.o_frag[b][t][2], st.o_frag[b][t][3]),
+                pack2<T>(st.o_frag[b][t + 1][0], st.o_frag[b][t + 1][1]),
+                pack2<T>(st.o_frag[b][t + 1][2], st.o_frag[b][t + 1][3])};
+            stmatrix_x4(smem_u32(out_smem + swizzle_out(st_row + 16 * b, t + (ld_matrix >> 1))), frags);
+          }
+        }
+        compute_sync();
+        PassRows<kGroups> rows(w, group_id, group);
+#pragma unroll
+        for (int pass = 0; pass < kRows / kGroups; ++pass, rows.next()) {
+          const int r = group_id + pass * kGroups;
+          if (r < w.rows) {  // uniform over the row's TX lanes
+            const QueryRow qr = rows.row(w, cascade);
+            T* const dst = out + (static_cast<long long>(qr.token) * num_heads + qr.head) * kHeadDimVO + dim0_vo;
+#pragma unroll
+            for (int c = 0; c < kLaneChunksVO; ++c) {
+              *reinterpret_cast<uint4*>(dst + 8 * c) =
+                  *reinterpret_cast<const uint4*>(out_smem + swizzle_out(r, tx * kLaneChunksVO + c));
+            }
+          }
+        }
+        compute_sync();  // the staging is free for the next item
       } else {
         // Final item: lse from the fragments; o through shared memory (fp32, swizzled), then the
         // output hook on TX-lane row groups and 16-byte stores of out.

@@ -11,7 +11,7 @@
     // Query positions of the CTA's rows and of this warp's rows (ranges for mask_tile).
     const int q_pos0 = w.kv_len - w.qo_len;  // q_pos of query 0
     // Split keys: both warpgroups attend the first one's rows, taking alternate tiles.
-    const bool split = kSplitKeys && w.rows <= 64;  // uniform over the CTA
+    const bool split = split_keys(w.rows);  // uniform over the CTA
     const int tile_warp_row = split ? (warp_row & 63) : warp_row;  // the rows this warp attends
     const int warp_rows = imin(kWarpRows, w.rows - tile_warp_row);  // <= 0: the warp has no rows
     // All of the warp's rows in its first row block (decode steps, short prompts): the

@@ -59,6 +59,16 @@ __device__ __forceinline__ WorkItem read_work_item(
   return w;
 }
 
+// Split keys (kSplitKeys): an item whose rows fit the first warpgroup, attended by both
+// warpgroups on alternate tiles. Uniform over the CTA and known to the producer too.
+__device__ __forceinline__ bool split_keys(const int rows) { return kSplitKeys && rows <= 64; }
+
+// (kProducer) Does the item's epilogue use the ring's memory (the fp32 staging of o, or
+// split_merge), so that the producer must wait for its end before the next item's tiles?
+__device__ __forceinline__ bool epilogue_holds_ring(const WorkItem& w) {
+  return !kOutputInQTile || split_keys(w.rows);
+}
+
 // The query row behind tile row r: its token (row of q / out), head, q_pos, and its request
 // with the request's lengths (what its Index holds).
 struct QueryRow {

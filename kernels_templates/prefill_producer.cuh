@@ -10,8 +10,9 @@
 // and K stage n % kKStages, once the computing warps have released the tiles those stages held
 // (`k_empty` and `v_empty`, one arrival per warp: a K is done a tile before its V, and the K
 // ring may be shorter); `full` completes when every producer thread's copies have landed.
-// Before an item's first tile it waits for the last item's epilogue, whose fp32 staging
-// aliases the ring. The page-table loads of a tile are issued before the waits.
+// Before an item's first tile it waits for the last item's epilogue where that used the
+// ring's memory (epilogue_holds_ring); otherwise the item's first tiles land during it. The
+// page-table loads of a tile are issued before the waits.
 // kTma: whole tiles by TMA (this CTA's maps written: producer_tensor_maps); `full` then completes
 // when every producer thread has arrived and the boxes' bytes have landed.
 // An fp8 cache's tiles land as bytes. Copied by cp.async (pages of 8 or 1 token), the computing
@@ -49,9 +50,11 @@ __device__ __forceinline__ void produce_items(
                           work_kv_start, work_kv_end, work_partial, qo_indptr, kv_indptr,
                           kv_last_page_len, page_size, group, cascade);
   }
+  bool wait_epilogue = false;  // the last item's epilogue holds the ring
   for (int item = first_item; item < end_item; ++item) {
     const WorkItem w = next;
-    if (item > first_item) named_sync(kItemBarrier, kThreads + kProducerThreads);
+    if (wait_epilogue) named_sync(kItemBarrier, kThreads + kProducerThreads);
+    wait_epilogue = epilogue_holds_ring(w);
     const TileSpan span = item_span(w, group);
     const Index tile_ix = tile_index(w, num_heads, num_kv_heads, sm_scale, params);
     const KvT* const k_row = k_cache + w.kv_head * kHeadDim + tx * VEC;

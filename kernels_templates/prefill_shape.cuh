@@ -19,7 +19,8 @@ constexpr int kCtaRegisters =  // (kProducer) what the CTA starts with: 168 x 38
 constexpr int kProducerRegisters =
     kProducer ? (kCtaRegisters - kThreads * kComputeRegisters) / kProducerThreads : 0;
 // Named barriers (0 is __syncthreads): the computing threads alone; the end of an item's
-// epilogue, which the producer waits for before it refills the ring the epilogue aliased.
+// epilogue, which the producer waits for before it refills the ring where the epilogue used
+// the ring's memory (epilogue_holds_ring).
 constexpr unsigned kComputeBarrier = 1;
 constexpr unsigned kItemBarrier = 2;
 // An fp8 cache without key or value hooks (which must see dequantised values): the scales
@@ -99,6 +100,15 @@ constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 thread
 // 40 registers (per-tile logits terms): its conversion spilled 68 bytes with the loads ahead,
 // and without them ran T5 3% slower at S16384 than the computing warps' conversion.
 constexpr bool kProducerConverts = kFp8Rows && kTmaTiles && kProducerRegisters >= 56;
+// (kProducer, no output hook) The epilogue stages o as T with stmatrix, not as fp32: half the
+// bytes and an eighth of the shared-memory stores (an output hook sees o in fp32).
+constexpr bool kOutputAsT = kProducer && !variant::kHasOutput;
+// ... and in the Q tile, which the item no longer reads, rather than in the ring, where the
+// producer converts the tiles it copies (an fp8 cache): it then copies and converts the next
+// item's first tiles during the epilogue instead of after it (S4096 5% faster). A bf16 cache
+// ran up to 1.7% slower so (causal S16384; no conversion to hide), and split keys' merge
+// (split_merge) passes through the drained ring in any case: epilogue_holds_ring.
+constexpr bool kOutputInQTile = kOutputAsT && kProducerConverts && kHeadDimVO <= kHeadDim;
 // With a producer, an item's end reads the next item's fields (prefill_item_start.cuh); not at
 // head dim 256, whose epilogue holds twice the output's registers (spec_tree's fp8 kernel then
 // spilled 128 bytes).
@@ -147,6 +157,13 @@ __device__ __forceinline__ int swizzle(const int row, const int chunk) {
   } else {
     return row * kRowElems + ((chunk ^ (row & 7)) << 3);
   }
+}
+
+// (kOutputAsT) Element offset of 16-byte chunk `chunk` (8 elements of T) of row `row` in the
+// output's staging, [kRows][kHeadDimVO] T, same permutation: eight rows'
+// chunks at one column fall in eight different bank groups (stmatrix writes such columns).
+__device__ __forceinline__ int swizzle_out(const int row, const int chunk) {
+  return row * kHeadDimVO + ((chunk ^ (row & 7)) << 3);
 }
 
 // Float offset of 16-byte chunk `chunk` (4 floats) of row `row` in a [rows][kHeadDimVO] float

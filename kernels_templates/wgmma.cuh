@@ -17,6 +17,8 @@
 //   mbar_*, named_*, registers_*     the producer's pipeline: mbarriers, named barriers,
 //                                    setmaxnreg
 //   tensor_map_for, tma_load_3d      a CTA's TMA tensor map in global memory; one box copy
+//   stmatrix_x4(addr, r)             four 8x8 16-bit matrices registers -> shared (the
+//                                    inverse of ldmatrix_x4: the same lanes, the same rows)
 //
 // Operand tiles (PTX ISA, "Shared memory matrix layout", 128-byte swizzle): a tile of 16-bit
 // elements is stored as column blocks of 64 elements (128 bytes per row); within a block, row
@@ -132,6 +134,14 @@ __device__ __forceinline__ void tma_load_3d(const unsigned dst, const void* map,
 }
 
 // Named barriers (id 0 is __syncthreads): wait for `threads` arrivals, or only arrive.
+// stmatrix .x4 (sm_90): lanes 8i .. 8i+7 give the row addresses (16 bytes each) of 8x8
+// matrix i, whose register i each lane holds as an mma accumulator pair: row lane / 4,
+// columns 2 (lane % 4) + {0, 1}.
+__device__ __forceinline__ void stmatrix_x4(const unsigned smem_addr, const unsigned (&r)[4]) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], { %1, %2, %3, %4 };\n"
+               :: "r"(smem_addr), "r"(r[0]), "r"(r[1]), "r"(r[2]), "r"(r[3]) : "memory");
+}
+
 __device__ __forceinline__ void named_sync(const unsigned id, const unsigned threads) {
   asm volatile("bar.sync %0, %1;\n" :: "r"(id), "r"(threads) : "memory");
 }

@@ -56,7 +56,8 @@ def quantize(rng, batch, num_kv_heads: int):
 
 def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
             seed, error_log, where, scales="tensor", arrays="cupy", kv_chunk_size=None,
-            head_dim_vo=None, expect=None, prefill_min_rows=None, q_exponent=None):
+            head_dim_vo=None, expect=None, prefill_min_rows=None, q_exponent=None,
+            num_prefill_ctas=None):
     rng = np.random.default_rng(seed)
     variant = (attnlang.load(VARIANT_PATHS[variant_id]) if isinstance(variant_id, str)
                else variant_id)  # a parsed variant
@@ -86,7 +87,8 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
                                    max_batch_size=max(4, len(qo)),
                                    max_total_q=max(16, int(qo.sum())),
                                    max_kv_indices=max(1 << 12, len(batch.kv_indices)),
-                                   prefill_min_rows=prefill_min_rows, **extra)
+                                   prefill_min_rows=prefill_min_rows,
+                                   num_prefill_ctas=num_prefill_ctas, **extra)
     plan_params, params = split_params(variant, params)
     plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size, params=plan_params)
     if expect is not None:
@@ -215,6 +217,19 @@ def test_fp8_scores_from_split_queries(cp, error_log, variant_id, head_dim, page
             prefill_min_rows=group - 1 if shape == "decode" else None,
             expect=(False, True) if shape == "decode" else None,
             where=f"fp8 split q {variant_id} {shape} d{head_dim} p{page_size} g{group}")
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fp8_epilogues_in_turn(cp, error_log, head_dim):
+    """Where the producer converts the tiles it copies, an item's output is staged in the Q tile
+    and the producer copies the next item's first tiles during its epilogue; after an item of
+    split keys (rows <= 64, merged through the ring) it waits. Short requests (36-64 rows) and
+    long ones on 3 CTAs with several items each, so the two kinds follow each other."""
+    plan = run_fp8(cp, "causal", [9, 300, 16, 130, 5, 200], [700, 300, 900, 500, 260, 200],
+                   num_qo_heads=8, num_kv_heads=2, head_dim=head_dim, dtype="bfloat16",
+                   page_size=16, seed=7500 + head_dim, error_log=error_log, prefill_min_rows=3,
+                   num_prefill_ctas=3, where=f"fp8 epilogues in turn d{head_dim}")
+    assert plan.prefill.num_work_items > 2 * 3
 
 
 @pytest.mark.parametrize("arrays", ["cupy", "torch"])
