@@ -12,8 +12,9 @@ row of every prompt (qo_len = kv_len). Workloads:
 
 Contenders:
 - attnlang_paged: BatchAttention over a paged cache (page 16, pages shuffled);
-  attnlang_contig: the same kernel on contiguous KV (page_size = the whole sequence: one
-  page per request; the ragged batch pads each request to the longest). On an H100 both run
+  attnlang_ragged: the same kernel on the packed K/V FlashInfer's ragged wrapper reads
+  ([tokens, heads, D], `kv_layout="ragged"`: request b's keys are rows kv_indptr[b]: of
+  it, copied by TMA from any row). On an H100 both run
   the wgmma path (compiled for sm_90a); attnlang_mma_sync is attnlang_paged compiled for
   plain sm_90, i.e. the mma.sync path every sm_80+ GPU runs.
 - FlashInfer 0.7.2: BatchPrefillWithPagedKVCacheWrapper with backend "fa3" and "fa2" (same
@@ -30,7 +31,7 @@ Contenders:
 Figures: TFLOP/s counting only unmasked (query, key) pairs, 4 * pairs * head_dim * heads
 (two matmuls, 2 flops per multiply-add); the fraction of the bf16 8192^3 matmul rate measured
 in the same run; attnlang/peer = the peer's time / attnlang's time (above 1: attnlang is
-faster), for attnlang_paged and attnlang_contig alike. Plain calls only (prefill kernels run
+faster), for attnlang_paged and attnlang_ragged alike. Plain calls only (prefill kernels run
 for milliseconds, so launch overhead and CUDA graphs do not matter). One input set: prefill is
 compute-bound, so L2 rotation would not change the figures (see common.py).
 
@@ -124,7 +125,7 @@ SPECS = [
     Spec("ragged16", "causal", ()),  # lengths filled in by specs()
 ]
 QUICK = ["causal_s4096", "causal_b8_s2048", "gqa_causal_s8192", "softcap_s16384", "ragged16"]
-CONTENDERS = ["attnlang_paged", "attnlang_contig", "attnlang_mma_sync", "flashinfer_fa3_paged",
+CONTENDERS = ["attnlang_paged", "attnlang_ragged", "attnlang_mma_sync", "flashinfer_fa3_paged",
               "flashinfer_fa3_ragged", "flashinfer_fa2_paged", "sdpa_cudnn", "sdpa_flash", "flex"]
 PEERS = CONTENDERS[3:]
 ATTNLANG = CONTENDERS[:2]  # always run; the ratios are taken against them
@@ -169,23 +170,6 @@ class Inputs:
     @property
     def total(self) -> int:
         return int(self.qo_indptr[-1])
-
-    def contig(self, torch):
-        """(k, v) as [B, Lmax, hkv, D]: one page per request (a view when uniform)."""
-        if "contig" not in self.extra:
-            b, lmax, s = self.batch, int(self.lens.max()), self.spec
-            if self.spec.uniform:
-                kc = self.k.view(b, lmax, s.hkv, HEAD_DIM)
-                vc = self.v.view(b, lmax, s.hkv, HEAD_DIM)
-            else:
-                kc = torch.zeros(b, lmax, s.hkv, HEAD_DIM, dtype=self.k.dtype, device=C.DEVICE)
-                vc = torch.zeros_like(kc)
-                for i in range(b):
-                    a, e = int(self.qo_indptr[i]), int(self.qo_indptr[i + 1])
-                    kc[i, : e - a] = self.k[a:e]
-                    vc[i, : e - a] = self.v[a:e]
-            self.extra["contig"] = (kc, vc)
-        return self.extra["contig"]
 
     def bhsd(self):
         """(q, k, v) as [B, heads, S, D] contiguous (uniform batches) or [1, heads, T, D]
@@ -269,21 +253,21 @@ class Prepared:
     out: Any = None  # the fixed output buffer, if any
 
 
-def prep_attnlang(al, torch, x: Inputs, variant, params, *, contig: bool,
+def prep_attnlang(al, torch, x: Inputs, variant, params, *, ragged: bool,
                   arch: str | None = None) -> Prepared:
     s = x.spec
-    if contig:
-        kc, vc = x.contig(torch)
-        page_size = int(kc.shape[1])
-        plan = (x.qo_indptr, np.arange(x.batch + 1, dtype=np.int32),
-                np.arange(x.batch, dtype=np.int32), x.lens.astype(np.int32))
+    if ragged:  # kv_layout="ragged": the packed k, v FlashInfer's ragged wrapper reads
+        kc, vc = x.k, x.v
+        layout = dict(kv_layout="ragged", max_kv_indices=x.total)
+        plan = (x.qo_indptr, x.qo_indptr)
     else:
-        kc, vc, page_size = x.k_paged, x.v_paged, PAGE
+        kc, vc = x.k_paged, x.v_paged
+        layout = dict(page_size=PAGE, max_kv_indices=max(len(x.kv_indices), 1))
         plan = (x.qo_indptr, x.kv_indptr, x.kv_indices, x.last_page_len)
     attn = C.make_batch_attention(
         al, variant, num_qo_heads=s.hq, num_kv_heads=s.hkv, head_dim=HEAD_DIM,
-        dtype="bfloat16", page_size=page_size, max_batch_size=x.batch, max_total_q=x.total,
-        max_kv_indices=max(len(plan[2]), 1), **({"arch": arch} if arch else {}))
+        dtype="bfloat16", max_batch_size=x.batch, max_total_q=x.total, **layout,
+        **({"arch": arch} if arch else {}))
     attn.plan(*plan)
     out = torch.empty_like(x.q)
     kw: dict[str, Any] = {}
@@ -526,7 +510,7 @@ class Prefill:
         if c.startswith("attnlang"):
             if self.al is None:
                 return "attnlang not importable"
-            return partial(self._prep_attnlang, x, contig=c.endswith("contig"),
+            return partial(self._prep_attnlang, x, ragged=c.endswith("ragged"),
                            arch=MMA_SYNC_ARCH if c == "attnlang_mma_sync" else None)
         if c.startswith("flashinfer"):
             if self.fi is None:
@@ -541,9 +525,9 @@ class Prefill:
             return partial(prep_flex, torch, x, self.slopes)
         return partial(prep_sdpa, torch, x, c)
 
-    def _prep_attnlang(self, x: Inputs, *, contig: bool, arch: str | None) -> Prepared:
+    def _prep_attnlang(self, x: Inputs, *, ragged: bool, arch: str | None) -> Prepared:
         return prep_attnlang(self.al, self.torch, x, self.variant(x.spec.kind),
-                             self.params(x.spec.kind), contig=contig, arch=arch)
+                             self.params(x.spec.kind), ragged=ragged, arch=arch)
 
     def contender_pass(self, names: list[str], contenders: list[str]) -> None:
         for name in names:
@@ -625,11 +609,11 @@ class Prefill:
             tf=C.fmt(r.get("tflops"), ".0f"),
             mm=C.fmt(100 * r["frac_matmul"], ".0f") + "%" if r.get("frac_matmul") else "-",
             paged=C.fmt(r.get("attnlang_paged_over_peer"), ".2f"),
-            contig=C.fmt(r.get("attnlang_contig_over_peer"), ".2f"),
+            ragged=C.fmt(r.get("attnlang_ragged_over_peer"), ".2f"),
             err=C.err_cell(r.get("rel_err")), note=(r.get("note") or "")[:44]) for r in shown],
             [("workload", "workload"), ("contender", "contender"), ("ms", "ms"),
              ("tf", "TFLOP/s"), ("mm", "of mm"), ("paged", "paged/peer"),
-             ("contig", "contig/peer"), ("err", "rel err"), ("note", "note")],
+             ("ragged", "ragged/peer"), ("err", "rel err"), ("note", "note")],
             title=f"Prefill, bf16 d{HEAD_DIM} ({mm}); TFLOP/s of unmasked pairs; X/peer = peer "
                   "time / attnlang X time")
         short = {"flashinfer_fa3_paged": "FA3p", "flashinfer_fa3_ragged": "FA3r",
@@ -643,14 +627,14 @@ class Prefill:
 
             frac = get("attnlang_paged", "frac_matmul")
             cells = dict(workload=name, paged=C.fmt(get("attnlang_paged", "tflops"), ".0f"),
-                         contig=C.fmt(get("attnlang_contig", "tflops"), ".0f"),
+                         ragged=C.fmt(get("attnlang_ragged", "tflops"), ".0f"),
                          sync=C.fmt(get("attnlang_mma_sync", "tflops"), ".0f"),
                          mm=C.fmt(100 * frac, ".0f") + "%" if frac else "-",
                          err=C.err_cell(get("attnlang_paged", "rel_err")))
             for peer in PEERS:
                 cells[peer] = C.fmt(get(peer, "attnlang_paged_over_peer"), ".2f")
             summary.append(cells)
-        cols = [("workload", "workload"), ("paged", "al paged TF/s"), ("contig", "al contig"),
+        cols = [("workload", "workload"), ("paged", "al paged TF/s"), ("ragged", "al ragged"),
                 ("sync", "al mma.sync"), ("mm", "paged/mm"), ("err", "al err")]
         cols += [(p, "x" + short[p]) for p in PEERS]
         table = C.format_table(
@@ -667,7 +651,7 @@ def parse_args(argv=None):
     p = C.base_parser(
         __doc__.split("\n\n")[0], budget=540, max_seconds=20,
         names_help=f"Workloads: {names}; contenders: {', '.join(CONTENDERS)} "
-                   "(attnlang_paged and attnlang_contig always run).")
+                   "(attnlang_paged and attnlang_ragged always run).")
     p.add_argument("--head-dim", type=int, choices=(64, 128, 256), default=128,
                    help="head dim of every workload (default 128)")
     return p.parse_args(argv)

@@ -78,7 +78,7 @@ class Shapes(P.Prefill):
                 if x is None:
                     continue
                 self.measure(x, self.label(shape),
-                             lambda x=x: self._prep_attnlang(x, contig=False, arch=self.arch),
+                             lambda x=x: self._prep_attnlang(x, ragged=False, arch=self.arch),
                              need=20)
         self.run.finish()
         self._tmp.cleanup()

@@ -66,6 +66,7 @@ from attnlang.runtime.validate import (
     RunInputs,
     check_construction,
     resolve_params,
+    validate_batch,
     validate_plan_inputs,
     validate_run_inputs,
     validate_shape,
@@ -99,7 +100,11 @@ class BatchAttention:
         num_qo_heads, num_kv_heads: query and KV heads (num_qo_heads % num_kv_heads == 0).
         head_dim: 64, 128 or 256 (queries and keys; 192 with head_dim_vo 128).
         dtype: "bfloat16" / "float16" (or "bf16", "fp16", a NumPy/CuPy/torch dtype).
-        page_size: tokens per page of the KV cache.
+        page_size: tokens per page of the KV cache (default 16; not with kv_layout="ragged").
+        kv_layout: "paged" (default) or "ragged": k and v are [total_kv, num_kv_heads,
+            head_dim], request b's keys rows kv_indptr[b]:kv_indptr[b+1] of them, and plan()
+            takes (qo_indptr, kv_indptr) alone (the layout of FlashInfer's ragged wrapper and
+            of a prompt's K/V before any cache). max_kv_indices then bounds kv_indptr[-1].
         max_batch_size, max_total_q: the largest batch plan() will accept; with
             max_kv_indices (most page-table entries in one batch) they size the workspace,
             allocated once here so its pointers never move (CUDA graphs).
@@ -171,7 +176,8 @@ class BatchAttention:
 
     def __init__(self, variant_or_module: ir.Variant | KernelModule, num_qo_heads: int,
                  num_kv_heads: int, head_dim: int, dtype: Any = "bfloat16",
-                 page_size: int = 16, *, max_batch_size: int = 256, max_total_q: int = 8192,
+                 page_size: int | None = None, *, kv_layout: str = "paged",
+                 max_batch_size: int = 256, max_total_q: int = 8192,
                  max_qo_len: int | None = None, max_kv_indices: int = 1 << 20,
                  max_work_items: int | None = None, max_partial_rows: int | None = None,
                  max_merge_rows: int | None = None,
@@ -182,7 +188,7 @@ class BatchAttention:
                  cascade: bool = False):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
-                                    head_dim_vo, kv_dtype)
+                                    head_dim_vo, kv_dtype, kv_layout)
         check_construction(max_batch_size=max_batch_size, max_total_q=max_total_q,
                            max_qo_len=max_qo_len, max_kv_indices=max_kv_indices,
                            max_pair_mask_bytes=max_pair_mask_bytes,
@@ -246,7 +252,7 @@ class BatchAttention:
             tma_templates=partial(tensor_maps.map_templates, s.head_dim, s.head_dim_vo,
                                   s.num_kv_heads, s.kv_dtype)
             if tensor_maps.uses_tma(s.head_dim, s.head_dim_vo, s.dtype, s.kv_dtype,
-                                    s.page_size, self.module.arch) else None,
+                                    s.page_size, self.module.arch, s.ragged) else None,
             tma_ctas=self.num_prefill_ctas)
         self._pair_host: dict[str, np.ndarray] = {}  # the last plan's packed masks
         with cupy.cuda.Device(self.device):
@@ -303,20 +309,23 @@ class BatchAttention:
     def __repr__(self) -> str:
         s = self.shape
         return (f"BatchAttention({self.module.name}, heads {s.num_qo_heads}/{s.num_kv_heads}, "
-                f"d{s.head_dim} {s.dtype}, page_size {s.page_size}, {self.num_ctas} + "
+                f"d{s.head_dim} {s.dtype}, "
+                f"{'ragged' if s.ragged else f'page_size {s.page_size}'}, {self.num_ctas} + "
                 f"{self.num_prefill_ctas} CTAs, "
                 f"{self.module.arch}, device {self.device})")
 
     # -- plan
 
-    def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any, kv_last_page_len: Any,
-             *, kv_chunk_size: int | None = None,
+    def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
+             kv_last_page_len: Any = None, *, kv_chunk_size: int | None = None,
              params: Mapping[str, Any] | None = None, cascade: Any = None) -> BatchPlan:
         """Schedule a batch and upload its plan and page table (one copy, current stream).
 
         qo_indptr [batch+1]: request b owns queries qo_indptr[b]:qo_indptr[b+1] of q.
         kv_indptr [batch+1]: it owns pages kv_indices[kv_indptr[b]:kv_indptr[b+1]].
         kv_last_page_len [batch]: valid tokens in its last page (1..page_size; 0 if none).
+        With kv_layout="ragged": plan(qo_indptr, kv_indptr) alone, request b's keys being
+        rows kv_indptr[b]:kv_indptr[b+1] of k and v.
         Host int arrays (device arrays are copied to the host once). kv_chunk_size: force
         the KV split bound (tests); None = automatic. params: the variant's per-pair masks
         (`bool[q, kv]`), each a list of one [qo_len, kv_len] bool array per request or one
@@ -335,15 +344,16 @@ class BatchAttention:
         """
         import cupy
 
-        inputs = validate_plan_inputs(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
-                                      page_size=self.shape.page_size)
+        inputs = validate_batch(self.shape, qo_indptr, kv_indptr, kv_indices,
+                                kv_last_page_len)
         longest = int(inputs.qo_lens.max(initial=0))
         if longest > self.max_qo_len:
             raise CapacityError("max_qo_len", longest, self.max_qo_len,
                                 "queries in one request")
         if inputs.kv_indices.shape[0] > self.max_kv_indices:
             raise CapacityError("max_kv_indices", inputs.kv_indices.shape[0],
-                                self.max_kv_indices, "page-table entries (kv_indices)")
+                                self.max_kv_indices, "rows of k and v (kv_indptr[-1])"
+                                if self.shape.ragged else "page-table entries (kv_indices)")
         packed_pairs, pair_blocks = pairmask.plan_masks(
             self.module.params, params, inputs.qo_lens, inputs.kv_lens,
             max_bytes=self.max_pair_mask_bytes, variant_name=self.module.name)
@@ -404,7 +414,8 @@ class BatchAttention:
         """Attention of the planned batch. Validates everything before launching.
 
         q [total_q, num_qo_heads, head_dim]; kv_cache = (k_cache, v_cache), each
-        [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo); params: the
+        [num_pages, page_size, num_kv_heads, head_dim] (v_cache: head_dim_vo; kv_layout
+        "ragged": [total_kv, num_kv_heads, head_dim]); params: the
         variant's run-time params by name; out (optional) like q (head_dim_vo wide); lse
         (optional) float32 [total_q, num_qo_heads]; sm_scale default 1/sqrt(head_dim);
         k_scale, v_scale (an fp8 cache's, required there and refused elsewhere): a float or

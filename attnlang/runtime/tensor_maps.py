@@ -2,10 +2,11 @@
 
 Where the prefill kernel has a producer warpgroup (the wgmma path at head dims 128 and 256)
 and the cache's pages are a multiple of BOX_ROWS tokens (a contiguous cache is one page per
-request), the producer copies each tile whose keys all lie inside its work item by TMA:
-boxes of BOX_ROWS keys x 64 columns (128 bytes, swizzled on arrival as wgmma reads them; an
-fp8 cache's: 128 e4m3 bytes, the raw rows, keys swizzled and values not, converted in shared
-memory where the kernel does not read them raw: prefill_shape.cuh's kFp8Qk), one per box row
+request; a ragged layout's requests are runs of consecutive rows), the producer copies each
+tile whose keys all lie inside its work item by TMA: boxes of BOX_ROWS keys x 64 columns
+(128 bytes, swizzled on arrival as wgmma reads them; an fp8 cache's: 128 e4m3 bytes, the raw
+rows, keys swizzled and values not, converted in shared memory where the kernel does not read
+them raw: prefill_shape.cuh's kFp8Qk), one per box row
 and column block, issued by one thread of each of its four warps. A map holds the cache's
 address, which may change from one call to the next, and run() must stay cheap (CUDA graphs
 replay its kernels' arguments as captured); so the host encodes one template per cache,
@@ -47,21 +48,25 @@ _L2_PROMOTION_256B = 3
 _OOB_FILL_NONE = 0
 
 
-def box_rows(page_size: int) -> int | None:
+def box_rows(page_size: int, ragged: bool = False) -> int | None:
     """Keys per TMA box for pages of page_size, or None where the kernel copies with
-    cp.async: a box lies inside one page, so page_size must be a multiple of BOX_ROWS.
+    cp.async: a box lies inside one page, so page_size must be a multiple of BOX_ROWS. A
+    ragged layout (BatchAttention's kv_layout="ragged": pages of one token, each request's
+    consecutive rows of k and v) has boxes anywhere: its page table is the identity.
 
-    ``box_rows(16)`` -> 16, ``box_rows(4096)`` -> 16, ``box_rows(8)`` -> None.
+    ``box_rows(16)`` -> 16, ``box_rows(4096)`` -> 16, ``box_rows(8)`` -> None,
+    ``box_rows(1, ragged=True)`` -> 16.
     """
-    return BOX_ROWS if page_size % BOX_ROWS == 0 else None
+    return BOX_ROWS if ragged or page_size % BOX_ROWS == 0 else None
 
 
 def uses_tma(head_dim: int, head_dim_vo: int, dtype: str, kv_dtype: str, page_size: int,
-             arch: str) -> bool:
+             arch: str, ragged: bool = False) -> bool:
     """Does the prefill kernel of this shape get tensor maps? Where it has a producer
-    warpgroup, box_rows(page_size) exists and ATTNLANG_PREFILL_TMA is not off. (A kernel the
-    module compiler rebuilt without TMA tiles ignores them: module.PRODUCER_SPILL_BYTES.)"""
-    if box_rows(page_size) is None or not env.prefill_tma():
+    warpgroup, box_rows(page_size, ragged) exists and ATTNLANG_PREFILL_TMA is not off. (A
+    kernel the module compiler rebuilt without TMA tiles ignores them:
+    module.PRODUCER_SPILL_BYTES.)"""
+    if box_rows(page_size, ragged) is None or not env.prefill_tma():
         return False
     shape = template_shape("prefill", head_dim, dtype, arch, head_dim_vo)
     return shape.wgmma and shape.producer_threads > 0

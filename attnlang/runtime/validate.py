@@ -33,8 +33,9 @@ from attnlang.runtime.arrays import (
 from attnlang.runtime.planner import PlanError, lengths_from_indptr
 
 __all__ = [
-    "AttentionShape", "PlanInputs", "RunInputs", "validate_shape", "validate_plan_inputs",
-    "validate_run_inputs", "resolve_params", "check_count", "check_construction",
+    "AttentionShape", "PlanInputs", "RunInputs", "KV_LAYOUTS", "validate_shape",
+    "validate_plan_inputs", "validate_ragged_inputs", "validate_batch", "validate_run_inputs",
+    "resolve_params", "check_count", "check_construction",
 ]
 
 _INT32_MAX = 2**31 - 1
@@ -51,6 +52,7 @@ class AttentionShape:
     page_size: int
     head_dim_vo: int = 0  # of values and outputs; 0 (validate_shape never leaves it): head_dim
     kv_dtype: str = ""  # of k_cache and v_cache: dtype or "float8_e4m3fn"; "": dtype
+    kv_layout: str = "paged"  # or "ragged": k, v [total_kv, ...], pages of one token
 
     def __post_init__(self):
         if not self.head_dim_vo:
@@ -62,16 +64,36 @@ class AttentionShape:
     def group_size(self) -> int:
         return self.num_qo_heads // self.num_kv_heads
 
+    @property
+    def ragged(self) -> bool:
+        return self.kv_layout == "ragged"
+
+
+KV_LAYOUTS = ("paged", "ragged")
+
 
 def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: Any,
                    page_size: Any, head_dim_vo: Any = None,
-                   kv_dtype: Any = None) -> AttentionShape:
+                   kv_dtype: Any = None, kv_layout: Any = "paged") -> AttentionShape:
     """Check BatchAttention's geometry; raise ValueError/TypeError naming the argument.
     head_dim_vo: the values' head dim (None: head_dim; `config.HEAD_DIM_PAIRS`); kv_dtype:
-    the cache's element type (None: dtype; `arrays.normalize_kv_dtype`).
+    the cache's element type (None: dtype; `arrays.normalize_kv_dtype`). page_size: None
+    for the layout's own (16 paged; a ragged layout's requests are runs of rows, pages of
+    one token to the kernels, so it takes None or 1).
 
     Example: ``validate_shape(32, 8, 128, "bf16", 16).group_size == 4``.
     """
+    if kv_layout not in KV_LAYOUTS:
+        raise ValueError(f"kv_layout must be one of {KV_LAYOUTS}, got {kv_layout!r}")
+    if kv_layout == "ragged":
+        if page_size not in (None, 1):
+            raise ValueError(
+                f"page_size={page_size!r} with kv_layout='ragged': a ragged layout has no pages "
+                "(k and v are [total_kv, num_kv_heads, head_dim], kv_indptr counts tokens); "
+                "leave page_size out")
+        page_size = 1
+    elif page_size is None:
+        page_size = 16
     for name, value in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads),
                         ("page_size", page_size)):
         check_count(name, value)
@@ -83,7 +105,8 @@ def validate_shape(num_qo_heads: Any, num_kv_heads: Any, head_dim: Any, dtype: A
     head_dim, head_dim_vo = check_head_dims(head_dim, head_dim_vo)
     dtype = normalize_dtype(dtype)
     return AttentionShape(int(num_qo_heads), int(num_kv_heads), head_dim, dtype,
-                          int(page_size), head_dim_vo, normalize_kv_dtype(kv_dtype, dtype))
+                          int(page_size), head_dim_vo, normalize_kv_dtype(kv_dtype, dtype),
+                          kv_layout)
 
 
 @dataclass(frozen=True, eq=False)
@@ -171,6 +194,46 @@ def validate_plan_inputs(qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
     )
 
 
+def validate_ragged_inputs(qo_indptr: Any, kv_indptr: Any) -> PlanInputs:
+    """A ragged layout's batch (BatchAttention's kv_layout="ragged"): request b owns queries
+    qo_indptr[b]:qo_indptr[b+1] of q and rows kv_indptr[b]:kv_indptr[b+1] of k and v. To the
+    kernels, pages of one token whose page table is the identity (so the TMA copies boxes of
+    any 16 consecutive rows). Raises PlanError naming the argument.
+
+    Example: ``validate_ragged_inputs([0, 1, 3], [0, 5, 9]).kv_lens`` -> [5, 4].
+    """
+    kvp = _host_ints(kv_indptr, "kv_indptr")
+    rows = lengths_from_indptr(kvp, "kv_indptr")
+    qo_lens = lengths_from_indptr(_host_ints(qo_indptr, "qo_indptr"), "qo_indptr")
+    if qo_lens.shape == rows.shape and (qo_lens > rows).any():
+        i = int(np.argmax(qo_lens > rows))
+        raise PlanError(
+            f"request {i} has {qo_lens[i]} queries (qo_indptr) but only {rows[i]} rows of k and "
+            "v (kv_indptr): queries are the last tokens of their sequence, so their keys must "
+            "be among the rows (qo_len <= kv_len)")
+    if int(kvp[-1]) > _INT32_MAX:
+        raise PlanError(f"kv_indptr[-1] = {kvp[-1]} rows overflow int32")
+    return validate_plan_inputs(qo_indptr, kvp, np.arange(int(kvp[-1]), dtype=np.int32),
+                                (rows > 0).astype(np.int32), page_size=1)
+
+
+def validate_batch(shape: AttentionShape, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,
+                   kv_last_page_len: Any) -> PlanInputs:
+    """plan()'s batch, validated for the layout: a page table (validate_plan_inputs), or a
+    ragged layout's rows (validate_ragged_inputs, without kv_indices or kv_last_page_len)."""
+    if shape.ragged:
+        if kv_indices is not None or kv_last_page_len is not None:
+            raise TypeError("this BatchAttention's kv_layout is 'ragged': plan(qo_indptr, "
+                            "kv_indptr) takes no kv_indices or kv_last_page_len (request b's "
+                            "keys are rows kv_indptr[b]:kv_indptr[b+1] of k and v)")
+        return validate_ragged_inputs(qo_indptr, kv_indptr)
+    if kv_indices is None or kv_last_page_len is None:
+        raise TypeError("plan() of a paged cache takes qo_indptr, kv_indptr, kv_indices and "
+                        "kv_last_page_len (kv_layout='ragged' takes the first two alone)")
+    return validate_plan_inputs(qo_indptr, kv_indptr, kv_indices, kv_last_page_len,
+                                page_size=shape.page_size)
+
+
 def _host_ints(x: Any, name: str) -> np.ndarray:
     """host_int_array without its int64 copy for a 1-D NumPy integer array (plan()'s usual
     input): such an array is returned as is, to be read only."""
@@ -225,14 +288,17 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
         )
     ki = _device_tensor(kv_cache[0], "k_cache")
     vi = _device_tensor(kv_cache[1], "v_cache")
-    layout = "[num_pages, page_size, num_kv_heads, head_dim]"
-    _check_array(ki, "k_cache", (None, shape.page_size, hkv, d), layout)
+    # (A ragged layout's k, v are its pages of one token without the page axis.)
+    rows = "[total_kv" if shape.ragged else "[num_pages, page_size"
+    row_shape = () if shape.ragged else (shape.page_size,)
+    layout = f"{rows}, num_kv_heads, head_dim]"
+    _check_array(ki, "k_cache", (None, *row_shape, hkv, d), layout)
     num_pages = ki.shape[0]
     if shape.head_dim_vo == d:
         _check_array(vi, "v_cache", ki.shape, f"{layout} (the shape of k_cache)")
     else:
-        _check_array(vi, "v_cache", ki.shape[:3] + (shape.head_dim_vo,),
-                     "[num_pages, page_size, num_kv_heads, head_dim_vo]")
+        _check_array(vi, "v_cache", ki.shape[:-1] + (shape.head_dim_vo,),
+                     f"{rows}, num_kv_heads, head_dim_vo]")
     for name, info in (("k_cache", ki), ("v_cache", vi)):
         if shape.kv_dtype == KV_FP8:
             if info.dtype not in (KV_FP8, "uint8"):
@@ -243,6 +309,11 @@ def validate_run_inputs(shape: AttentionShape, specs: Sequence[ir.ParamSpec],
                     if info.dtype in (KV_FP8, "uint8") else "")
             raise TypeError(f"{name} has dtype {info.dtype} but q has {qi.dtype}; they must "
                             f"match{hint}")
+    if shape.ragged and inputs.max_page >= num_pages:
+        raise ValueError(
+            f"kv_indptr (given to plan()) spans {inputs.max_page + 1} rows of k and v, but k_cache "
+            f"has only {num_pages}: kv_indptr[-1] must be <= k_cache.shape[0]"
+        )
     if inputs.max_page >= num_pages:
         raise ValueError(
             f"kv_indices (given to plan()) refers to page {inputs.max_page}, but k_cache has only "

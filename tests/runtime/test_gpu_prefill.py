@@ -22,7 +22,9 @@ import numpy as np
 import pytest
 
 import attnlang
-from attnlang.reference import attention_paged
+from attnlang.reference import attention, attention_paged
+from attnlang.runtime.arrays import round_to_dtype
+from attnlang.runtime.paged import indptr_from_lengths
 from attnlang.runtime.planner import PREFILL_MIN_ROWS
 from tests.runtime.test_gpu_attention import (
     SHORT,
@@ -468,3 +470,46 @@ def test_tma_tiles(cp, error_log, monkeypatch, tma, variant_id, dtype, head_dim,
                   head_dim=head_dim, dtype=dtype, page_size=page_size, seed=4200 + head_dim,
                   error_log=error_log, kv_chunk_size=chunk,
                   where=f"tma={tma} {variant_id} {SHORT[dtype]} d{head_dim} p{page_size} g{group}")
+
+
+# kv_layout="ragged": k and v [total_kv, num_kv_heads, head_dim], request b's keys rows
+# kv_indptr[b]:kv_indptr[b+1] (pages of one token to the kernels, the page table the identity,
+# so the producer's TMA boxes start at any row): a prompt, a decode step (decode kernel), a
+# short chunk, requests starting off 16-row boundaries; forced KV splits; head dims 128 (TMA
+# tiles) and 64 (no producer) and 256.
+_RAGGED = [("causal", "bfloat16", 128, 4, None), ("softcap", "float16", 128, 1, 300),
+           ("alibi", "bfloat16", 64, 4, None), ("causal", "float16", 256, 2, 256),
+           ("gptj_rope", "bfloat16", 128, 8, None)]
+
+
+@pytest.mark.parametrize("variant_id, dtype, head_dim, group, chunk", _RAGGED,
+                         ids=[f"{v}-{SHORT[d]}-d{h}-g{g}-{c or 'auto'}"
+                              for v, d, h, g, c in _RAGGED])
+def test_ragged_layout(cp, error_log, variant_id, dtype, head_dim, group, chunk):
+    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    rng = np.random.default_rng(4300 + head_dim + group)
+    qo, kv = np.array([700, 1, 130, 9]), np.array([1089, 1900, 130, 33])
+    hq, hkv = 2 * group, 2
+    q = round_to_dtype(rng.standard_normal((qo.sum(), hq, head_dim)).astype(np.float32), dtype)
+    k = round_to_dtype(rng.standard_normal((kv.sum(), hkv, head_dim)).astype(np.float32), dtype)
+    v = round_to_dtype(rng.standard_normal((kv.sum(), hkv, head_dim)).astype(np.float32), dtype)
+    qo_indptr, kv_indptr = indptr_from_lengths(qo), indptr_from_lengths(kv)
+    params = make_params(variant, rng, qo, kv, hq, hkv, head_dim)
+    ref_o, ref_lse = attention(variant, q, k, v, qo_indptr, kv_indptr, params=params)
+    extra = {} if chunk is None else dict(max_work_items=1 << 16, max_partial_rows=1 << 18,
+                                          max_merge_rows=1 << 17)
+    attn = attnlang.BatchAttention(variant, hq, hkv, head_dim, dtype=dtype, kv_layout="ragged",
+                                   max_batch_size=4, max_total_q=int(qo.sum()),
+                                   max_kv_indices=int(kv.sum()), **extra)
+    plan = attn.plan(qo_indptr, kv_indptr, kv_chunk_size=chunk)
+    assert plan.prefill.num_work_items > 0
+    assert (plan.decode.num_work_items > 0) == (group <= PREFILL_MIN_ROWS)  # the decode step
+    out = poisoned(cp, q.shape, dtype)
+    got, lse = attn.run(to_device(cp, q, dtype), (to_device(cp, k, dtype), to_device(cp, v, dtype)),
+                        params, out=out, return_lse=True)
+    got_host = from_device(cp, got, dtype)
+    assert not np.isnan(got_host).any(), "rows left unwritten (still NaN)"
+    err = rel_l2(got_host, ref_o)
+    error_log(dtype, err, f"ragged layout {variant_id} d{head_dim} g{group}")
+    assert err <= TOLERANCE[dtype], f"relative L2 error {err:.2e}"
+    check_lse(cp.asnumpy(lse), ref_lse)

@@ -12,6 +12,14 @@ def test_box_rows(page_size, rows):
     assert tensor_maps.box_rows(page_size) == rows
 
 
+def test_a_ragged_layout_has_boxes_anywhere():
+    # kv_layout="ragged": pages of one token, each request's rows consecutive
+    assert tensor_maps.box_rows(1, ragged=True) == 16
+    assert tensor_maps.uses_tma(128, 128, "bfloat16", "bfloat16", 1, "sm_90a", ragged=True)
+    assert not tensor_maps.uses_tma(128, 128, "bfloat16", "bfloat16", 1, "sm_90a")
+    assert not tensor_maps.uses_tma(128, 128, "bfloat16", "bfloat16", 1, "sm_80", ragged=True)
+
+
 @pytest.mark.parametrize("head_dim, head_dim_vo, kv_dtype, page_size, arch, want", [
     (128, 128, "bfloat16", 64, "sm_90a", True),
     (256, 256, "float16", 4096, "sm_90a", True),

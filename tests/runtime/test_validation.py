@@ -33,7 +33,7 @@ from attnlang.runtime.module import (
     load_compiled,
 )
 from attnlang.runtime.paged import indptr_from_lengths, paged_to_ragged, ragged_to_paged
-from attnlang.runtime.planner import CapacityError, plan_batch
+from attnlang.runtime.planner import CapacityError, PlanError, plan_batch
 from tests.variant_files import VARIANT_FILES, VARIANT_IDS
 
 SHAPE = A.validate_shape(8, 2, 64, "bf16", 16)
@@ -240,6 +240,47 @@ def test_valid_run_inputs():
 def test_run_input_errors(overrides, error, match):
     with pytest.raises(error, match=match):
         run_inputs(**overrides)
+
+
+RAGGED = A.validate_shape(8, 2, 64, "bf16", None, kv_layout="ragged")
+
+
+def test_a_ragged_layout_is_pages_of_one_identity_token():
+    # request b's keys are rows kv_indptr[b]:kv_indptr[b+1] of k and v
+    plan = A.validate_batch(RAGGED, [0, 3, 3, 4], [0, 10, 10, 15], None, None)
+    assert RAGGED.page_size == 1 and RAGGED.ragged
+    assert plan.kv_lens.tolist() == [10, 0, 5]
+    assert plan.kv_indices.tolist() == list(range(15))
+    assert plan.kv_last_page_len.tolist() == [1, 0, 1] and plan.max_page == 14
+    args = dict(shape=RAGGED, specs=SOFTCAP.params, inputs=plan, q=dev((4, 8, 64)))
+    A.validate_run_inputs(kv_cache=(dev((15, 2, 64)), dev((15, 2, 64))), **args)
+    A.validate_run_inputs(kv_cache=(dev((20, 2, 64)), dev((20, 2, 64))), **args)
+    with pytest.raises(ValueError, match=r"k_cache must have shape \[total_kv, num_kv_heads, "
+                                         r"head_dim\] = \(N, 2, 64\), got \(15, 1, 2, 64\)"):
+        A.validate_run_inputs(kv_cache=(dev((15, 1, 2, 64)),) * 2, **args)
+    with pytest.raises(ValueError, match=r"kv_indptr .given to plan\(\). spans 15 rows of k and "
+                                         r"v, but k_cache has only 14"):
+        A.validate_run_inputs(kv_cache=(dev((14, 2, 64)),) * 2, **args)
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: A.validate_shape(8, 2, 64, "bf16", 16, kv_layout="ragged"), ValueError,
+     r"page_size=16 with kv_layout='ragged': a ragged layout has no pages"),
+    (lambda: A.validate_shape(8, 2, 64, "bf16", 16, kv_layout="contiguous"), ValueError,
+     r"kv_layout must be one of \('paged', 'ragged'\)"),
+    (lambda: A.validate_batch(RAGGED, [0, 3], [0, 10], [0], [1]), TypeError,
+     r"kv_layout is 'ragged': plan\(qo_indptr, kv_indptr\) takes no kv_indices"),
+    (lambda: A.validate_batch(SHAPE, [0, 3], [0, 1], None, None), TypeError,
+     r"plan\(\) of a paged cache takes qo_indptr, kv_indptr, kv_indices and kv_last_page_len"),
+    (lambda: A.validate_batch(RAGGED, [0, 3, 9], [0, 10, 12], None, None), PlanError,
+     r"request 1 has 6 queries .qo_indptr. but only 2 rows of k and v"),
+    (lambda: A.validate_batch(RAGGED, [0, 3], [0, 10, 12], None, None), PlanError,
+     r"qo_indptr and kv_indptr must both have batch_size \+ 1 entries"),
+    (lambda: A.validate_batch(RAGGED, [0, 3], [4, 2], None, None), PlanError, r"kv_indptr"),
+])
+def test_ragged_layout_errors(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
 
 
 MLA_SHAPE = A.validate_shape(8, 2, 192, "bf16", 16, head_dim_vo=128)
