@@ -90,6 +90,14 @@ constexpr int kTmaBlocks = kTmaBlocksK + kHeadDimVO / kTmaBlockCols;
 constexpr unsigned kTmaTileBytes = kTmaBlocks * kTileKeys * 128;  // a tile's K and V
 constexpr int kTmaCtaMaps = 256;  // tensor_maps.CTA_MAPS
 constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 threads
+// Ping-pong (kProducer): the two computing warpgroups take turns issuing a tile's matmuls,
+// so one's softmax runs while the other's run on the tensor cores (FA3's warp scheduler
+// barriers). Warpgroup g waits at kTurnBarrier + g (its 128 threads and the other's arrival),
+// issues, then arrives at the other's; warpgroup 1 arrives at warpgroup 0's once at the
+// start, and every tile, attended or skipped, takes one turn in each, so the turns stay in
+// step over the CTA's items.
+constexpr bool kPingPong = kProducer;
+constexpr unsigned kTurnBarrier = 6;  // and 7
 // (kFp8Rows) Where the producer copies by TMA, its threads are free while the copy engine
 // works: they convert each tile in place once its bytes have landed (a `landed` mbarrier per
 // stage, the boxes' bytes), then arrive on `full`, so the computing warps read T as from a

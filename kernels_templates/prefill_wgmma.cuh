@@ -38,6 +38,23 @@ __device__ __forceinline__ void flush_pv(WarpState& st, PendingPv& pv) {
   pv.active = false;
 }
 
+// (kPingPong) Warpgroup wg's turn to issue: wait for it, then pass it to the other (ids as
+// immediates: a barrier id held in a register through the tile loop spilled ALiBi's kernel).
+__device__ __forceinline__ void turn_wait(const int wg) {
+  if (wg == 0) {
+    named_sync(kTurnBarrier, 256);
+  } else {
+    named_sync(kTurnBarrier + 1, 256);
+  }
+}
+__device__ __forceinline__ void turn_pass(const int wg) {
+  if (wg == 0) {
+    named_arrive(kTurnBarrier + 1, 256);
+  } else {
+    named_arrive(kTurnBarrier, 256);
+  }
+}
+
 // Fold one tile into the warpgroup's state (this warp's 16 rows of it): S = Q K^T is issued,
 // the pending P V of the previous tile behind it (kOverlap: pv.active); this tile's softmax
 // runs while that P V does; o is rescaled once it has landed, and this tile's P becomes the
@@ -60,7 +77,7 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
                                            const Index (&row_ix)[kFragRows],
                                            const unsigned columns, const TileTerms& terms,
                                            const DeferredValues& convert_values,
-                                           const float (&row_factor)[kFragRows]) {
+                                           const float (&row_factor)[kFragRows], const int wg) {
   // Tile-uniform tiles: the rows' parts of the logits (a table read each for T5) before the
   // matmul, whose time hides their latency (after it, it was exposed: benchmarks/NOTES.md).
   // A tile-uniform unmasked tile whose logits are the score plus a row's offset (T5's bias)
@@ -79,6 +96,7 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
   float s_frag[kRowBlocks][kKeyTiles][4];
   const unsigned long long q_desc = sw128_desc(q_tile, 16, 1024);
   const unsigned long long k_desc = sw128_desc(k_stage, 16, 1024);
+  if constexpr (kPingPong) turn_wait(wg);
   wgmma_fence();
   if constexpr (kFp8Qk) {
 #pragma unroll
@@ -99,6 +117,7 @@ __device__ __forceinline__ void wgmma_tile(WarpState& st, PendingPv& pv, const u
   }
   wgmma_commit();
   if constexpr (kOverlap) issue_pv(st, pv);
+  if constexpr (kPingPong) turn_pass(wg);
   convert_values();
   if constexpr (kOverlap) {
     wgmma_wait<1>();  // S has landed (groups complete in order); P V may still run
