@@ -63,7 +63,7 @@ __device__ __forceinline__ WorkItem read_work_item(
 // warpgroups on alternate tiles. Uniform over the CTA and known to the producer too.
 __device__ __forceinline__ bool split_keys(const int rows) { return kSplitKeys && rows <= 64; }
 
-// (kProducer) Does the item's epilogue use the ring's memory (the fp32 staging of o, or
+// (kProducer) Does the item's epilogue use the ring's memory (o's staging there, or
 // split_merge), so that the producer must wait for its end before the next item's tiles?
 __device__ __forceinline__ bool epilogue_holds_ring(const WorkItem& w) {
   return !kOutputInQTile || split_keys(w.rows);
