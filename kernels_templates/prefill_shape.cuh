@@ -95,8 +95,9 @@ constexpr unsigned kProducerBarrier = 5;  // the producer warpgroup's 128 thread
 // barriers). Warpgroup g waits at kTurnBarrier + g (its 128 threads and the other's arrival),
 // issues, then arrives at the other's; warpgroup 1 arrives at warpgroup 0's once at the
 // start, and every tile, attended or skipped, takes one turn in each, so the turns stay in
-// step over the CTA's items.
-constexpr bool kPingPong = kProducer;
+// step over the CTA's items. Not with key or value hooks: their warpgroups meet at a barrier
+// every tile anyway (transform_tile), and the kitchen-sink variant then spilled 88 bytes.
+constexpr bool kPingPong = kProducer && !variant::kHasKey && !variant::kHasValue;
 constexpr unsigned kTurnBarrier = 6;  // and 7
 // (kFp8Rows) Where the producer copies by TMA, its threads are free while the copy engine
 // works: they convert each tile in place once its bytes have landed (a `landed` mbarrier per
