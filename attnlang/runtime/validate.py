@@ -198,23 +198,34 @@ def validate_ragged_inputs(qo_indptr: Any, kv_indptr: Any) -> PlanInputs:
     """A ragged layout's batch (BatchAttention's kv_layout="ragged"): request b owns queries
     qo_indptr[b]:qo_indptr[b+1] of q and rows kv_indptr[b]:kv_indptr[b+1] of k and v. To the
     kernels, pages of one token whose page table is the identity (so the TMA copies boxes of
-    any 16 consecutive rows). Raises PlanError naming the argument.
+    any 16 consecutive rows): what validate_plan_inputs returns for that table, built without
+    scanning it. Raises PlanError naming the argument.
 
     Example: ``validate_ragged_inputs([0, 1, 3], [0, 5, 9]).kv_lens`` -> [5, 4].
     """
+    qo = _host_ints(qo_indptr, "qo_indptr")
     kvp = _host_ints(kv_indptr, "kv_indptr")
+    qo_lens = lengths_from_indptr(qo, "qo_indptr")
     rows = lengths_from_indptr(kvp, "kv_indptr")
-    qo_lens = lengths_from_indptr(_host_ints(qo_indptr, "qo_indptr"), "qo_indptr")
-    if qo_lens.shape == rows.shape and (qo_lens > rows).any():
+    if rows.shape[0] != qo_lens.shape[0]:
+        raise PlanError(
+            f"qo_indptr and kv_indptr must both have batch_size + 1 entries, got "
+            f"{qo.shape[0]} and {kvp.shape[0]}"
+        )
+    if (qo_lens > rows).any():
         i = int(np.argmax(qo_lens > rows))
         raise PlanError(
             f"request {i} has {qo_lens[i]} queries (qo_indptr) but only {rows[i]} rows of k and "
             "v (kv_indptr): queries are the last tokens of their sequence, so their keys must "
             "be among the rows (qo_len <= kv_len)")
-    if int(kvp[-1]) > _INT32_MAX:
-        raise PlanError(f"kv_indptr[-1] = {kvp[-1]} rows overflow int32")
-    return validate_plan_inputs(qo_indptr, kvp, np.arange(int(kvp[-1]), dtype=np.int32),
-                                (rows > 0).astype(np.int32), page_size=1)
+    total = int(kvp[-1])
+    if total > _INT32_MAX or int(qo[-1]) > _INT32_MAX:
+        raise PlanError("lengths overflow int32")
+    return PlanInputs(
+        qo_indptr=_i32(qo), kv_indptr=_i32(kvp), kv_indices=np.arange(total, dtype=np.int32),
+        kv_last_page_len=(rows > 0).astype(np.int32), qo_lens=qo_lens,
+        kv_lens=rows.astype(np.int64, copy=False), max_page=total - 1,
+    )
 
 
 def validate_batch(shape: AttentionShape, qo_indptr: Any, kv_indptr: Any, kv_indices: Any,

@@ -34,6 +34,7 @@ from attnlang.runtime.module import (
 )
 from attnlang.runtime.paged import indptr_from_lengths, paged_to_ragged, ragged_to_paged
 from attnlang.runtime.planner import CapacityError, PlanError, plan_batch
+from attnlang.runtime.validate import validate_ragged_inputs
 from tests.variant_files import VARIANT_FILES, VARIANT_IDS
 
 SHAPE = A.validate_shape(8, 2, 64, "bf16", 16)
@@ -261,6 +262,21 @@ def test_a_ragged_layout_is_pages_of_one_identity_token():
     with pytest.raises(ValueError, match=r"kv_indptr .given to plan\(\). spans 15 rows of k and "
                                          r"v, but k_cache has only 14"):
         A.validate_run_inputs(kv_cache=(dev((14, 2, 64)),) * 2, **args)
+
+
+@pytest.mark.parametrize("qo, rows", [([3, 0, 1], [10, 0, 5]), ([1], [1]), ([0, 0], [0, 0]),
+                                      ([700, 1, 130, 9], [1089, 1900, 130, 33])])
+def test_ragged_inputs_are_the_identity_tables(qo, rows):
+    # built without scanning the table: the same arrays validate_plan_inputs returns for it
+    got = validate_ragged_inputs(indptr_from_lengths(qo), indptr_from_lengths(rows))
+    want = A.validate_plan_inputs(indptr_from_lengths(qo), indptr_from_lengths(rows),
+                                  np.arange(sum(rows)), (np.asarray(rows) > 0).astype(int),
+                                  page_size=1)
+    for field in ("qo_indptr", "kv_indptr", "kv_indices", "kv_last_page_len", "qo_lens",
+                  "kv_lens"):
+        a, b = getattr(got, field), getattr(want, field)
+        assert a.dtype == b.dtype and np.array_equal(a, b), field
+    assert got.max_page == want.max_page
 
 
 @pytest.mark.parametrize("call, error, match", [
