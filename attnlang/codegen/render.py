@@ -21,11 +21,12 @@ import jinja2
 
 from attnlang import paths
 from attnlang.codegen import config
-from attnlang.codegen.c_expr import member_name
+from attnlang.codegen.c_expr import CTYPE, TENSOR_CTYPE, member_name
 from attnlang.codegen.lower import LINE_RESET, Hooks
-from attnlang.ir import KV_SCALE_PARAMS
+from attnlang.ir import KV_SCALE_PARAMS, ParamSpec
 
-__all__ = ["render", "context", "environment", "generated_name", "decode_mma"]
+__all__ = ["render", "render_dequantize", "context", "environment", "generated_name",
+           "decode_mma"]
 
 
 class _Loader(jinja2.FileSystemLoader):
@@ -284,3 +285,23 @@ def render(hooks: Hooks, kind: str, dtype: str, head_dim: int, arch: str | None 
     ctx = context(hooks, kind, dtype, head_dim, arch, head_dim_vo, kv_dtype)
     text = environment().get_template(f"{ctx['template']}.cu.j2").render(**ctx)
     return _resolve_line_resets(text, generated_name(hooks, kind))
+
+
+def render_dequantize(params: tuple[ParamSpec, ...], dtype: str, head_dim: int,
+                      head_dim_vo: int | None = None) -> str:
+    """The CUDA source of the kernel that converts an fp8 cache's pages into `dtype` for the
+    prefill kernel of a bf16/fp16 cache (dequantize.cu.j2; runtime/dequantize.py). params:
+    the fp8 module's params, k_scale and v_scale last (`ir.with_kv_scales`): the kernel takes
+    them all, as every kernel of the module does, and reads the two scales.
+
+    ``'extern "C" __global__' in render_dequantize(with_kv_scales(v).params, "bfloat16", 128)``
+    """
+    if tuple(p.name for p in params[-2:]) != KV_SCALE_PARAMS:
+        raise ValueError(f"the params must end with {', '.join(KV_SCALE_PARAMS)} (an fp8 "
+                         f"module's), got {[p.name for p in params]}")
+    head_dim, head_dim_vo = config.check_head_dims(head_dim, head_dim_vo)
+    decls = "".join(f",\n    {TENSOR_CTYPE[p.type] if p.is_tensor else CTYPE[p.type]} "
+                    f"param_{p.name}" for p in params)
+    return environment().get_template("dequantize.cu.j2").render(
+        dtype=dtype, ctype=config.dtype_ctype(dtype), head_dim=head_dim,
+        head_dim_vo=head_dim_vo, variant_params=decls)

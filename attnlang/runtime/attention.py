@@ -49,6 +49,13 @@ from attnlang.runtime.arrays import (
     to_device_param,
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
+from attnlang.runtime.dequantize import (
+    Dequantizer,
+    DequantPlan,
+    capacity_pages,
+    choose_pages,
+    page_bytes,
+)
 from attnlang.runtime.kv_scales import KvScales
 from attnlang.runtime.launches import (
     graph_kernels,
@@ -73,6 +80,8 @@ from attnlang.runtime.validate import (
 )
 from attnlang.runtime.workspace import (
     _SECTIONS,
+    DEQUANTIZE,
+    PREFILL_DEQUANTIZED,
     PackedArgs,
     WorkspaceLayout,
     allocate_workspace,
@@ -185,7 +194,7 @@ class BatchAttention:
                  num_prefill_ctas: int | None = None, prefill_min_rows: int | None = None,
                  device: int | None = None, head_dim_vo: int | None = None,
                  max_pair_mask_bytes: int = 64 << 20, kv_dtype: Any = None,
-                 cascade: bool = False):
+                 cascade: bool = False, max_dequant_bytes: int = 256 << 20):
         # Everything checkable without a GPU first, so mistakes fail fast and anywhere.
         self.shape = validate_shape(num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
                                     head_dim_vo, kv_dtype, kv_layout)
@@ -195,7 +204,7 @@ class BatchAttention:
                            max_work_items=max_work_items, max_partial_rows=max_partial_rows,
                            max_merge_rows=max_merge_rows, num_ctas=num_ctas,
                            num_prefill_ctas=num_prefill_ctas, prefill_min_rows=prefill_min_rows,
-                           cascade=cascade)
+                           cascade=cascade, max_dequant_bytes=max_dequant_bytes)
         check_module_fits(variant_or_module, self.shape, cascade)
         self.cascade = cascade
 
@@ -239,12 +248,32 @@ class BatchAttention:
             max_merge_rows=max_merge_rows or worst.max_merge_rows,
         )
         self.max_kv_indices = int(max_kv_indices)
+        # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
+        # A request has qo_len * group fused rows, from group up to max_qo_len * group.
+        self.max_qo_len = max_total_q if max_qo_len is None else int(max_qo_len)
+        reachable = graph_kernels(s.group_size, self.prefill_min_rows, self.max_qo_len,
+                                  cascade=cascade)
+        # An fp8 cache's prefill may read a converted copy of its pages (dequantize.py):
+        # where a prefill is reachable and the variant is at hand to compile it for.
+        self._dequantizer = None
+        capacity = capacity_pages(s, max_dequant_bytes)
+        if (s.kv_dtype == KV_FP8 and reachable["prefill"] and capacity > 0
+                and variant is not None):
+            self._dequantizer = Dequantizer(
+                variant, self.module.params, s, arch=self.module.arch, device=self.device,
+                capacity=capacity, prefill_smem=self._kernels.configs["prefill"].smem_bytes,
+                prefill_ctas=self.num_prefill_ctas)
+            reachable = graph_kernels(s.group_size, self.prefill_min_rows, self.max_qo_len,
+                                      cascade=cascade, dequantize=True)
+        self.max_dequant_bytes = int(max_dequant_bytes)
         # Per-pair masks (bool[q, kv]): one fixed buffer each, rewritten by every plan(), so
         # run()'s pointer to it never moves (CUDA graphs).
         self.max_pair_mask_bytes = int(max_pair_mask_bytes)
         self._dev = allocate_workspace(
             workspace_layout(self.num_ctas, self.bounds, self.max_kv_indices,
-                             self.num_prefill_ctas, cascade=cascade),
+                             self.num_prefill_ctas, cascade=cascade,
+                             dequant_pages=self._dequantizer.capacity
+                             if self._dequantizer is not None else 0),
             self.bounds, max_total_q=max_total_q, num_qo_heads=s.num_qo_heads,
             head_dim_vo=s.head_dim_vo, pair_names=[p.name for p in self.module.params
                                                    if p.is_pair],
@@ -267,14 +296,10 @@ class BatchAttention:
         from cupy_backends.cuda.api import driver, runtime
 
         self._driver, self._runtime = driver, runtime
-        # The kernels a CUDA graph must hold: those some batch within the bounds can reach.
-        # A request has qo_len * group fused rows, from group up to max_qo_len * group.
-        self.max_qo_len = max_total_q if max_qo_len is None else int(max_qo_len)
-        reachable = graph_kernels(s.group_size, self.prefill_min_rows, self.max_qo_len,
-                                  cascade=cascade)
         self._launches = pack_launches(self._kernels, self._dev.pointers, s,
                                        len(self.module.params),
-                                       merge_grid(self._kernels, self.bounds.max_merge_rows))
+                                       merge_grid(self._kernels, self.bounds.max_merge_rows),
+                                       self._dequantizer)
         self._capture_launches = tuple(one for kind, one in self._launches.items()
                                        if reachable[kind])
         # plan() picks the launches its plan needs (a kernel with no work is not launched).
@@ -290,6 +315,7 @@ class BatchAttention:
         self._kv_scales = KvScales(self.shape, self.device)  # an fp8 cache's scales
         self._plan: BatchPlan | None = None
         self._inputs: PlanInputs | None = None
+        self._dequant: DequantPlan | None = None
 
     # -- properties
 
@@ -306,6 +332,12 @@ class BatchAttention:
         """The BatchPlan of the last successful plan() call (for inspection and tests)."""
         return self._plan
 
+    @property
+    def last_dequant(self) -> DequantPlan | None:
+        """The pages the last plan's prefill reads through the converted copy of an fp8
+        cache (`dequantize.DequantPlan`), or None where it reads the fp8 pages."""
+        return self._dequant
+
     def __repr__(self) -> str:
         s = self.shape
         return (f"BatchAttention({self.module.name}, heads {s.num_qo_heads}/{s.num_kv_heads}, "
@@ -318,7 +350,8 @@ class BatchAttention:
 
     def plan(self, qo_indptr: Any, kv_indptr: Any, kv_indices: Any = None,
              kv_last_page_len: Any = None, *, kv_chunk_size: int | None = None,
-             params: Mapping[str, Any] | None = None, cascade: Any = None) -> BatchPlan:
+             params: Mapping[str, Any] | None = None, cascade: Any = None,
+             dequantize: bool | None = None) -> BatchPlan:
         """Schedule a batch and upload its plan and page table (one copy, current stream).
 
         qo_indptr [batch+1]: request b owns queries qo_indptr[b]:qo_indptr[b+1] of q.
@@ -340,6 +373,13 @@ class BatchAttention:
         beyond their parent level); False: none; or the levels themselves, a list of
         (first_request, end_request, shared_kv): requests [first, end) share their first
         shared_kv positions (checked against the page table; nested groups share more).
+
+        dequantize (an fp8 cache): None (default) lets the plan convert the pages its prefill
+        reads into a bf16/fp16 copy once, before the prefill kernel of such a cache reads
+        them, where each key is read often enough (`dequantize.MIN_READS_PER_KEY`) and the
+        pages fit max_dequant_bytes; True: whenever a prefill reads keys (CapacityError if
+        they do not fit); False: the prefill kernel converts every tile it reads.
+        `last_dequant` says what the plan chose.
         Returns the BatchPlan (its .decode, .prefill and .cascade work lists).
         """
         import cupy
@@ -368,11 +408,12 @@ class BatchAttention:
         else:
             plan = cascades.plan_cascade(inputs.qo_lens, inputs.kv_lens, groups, **common,
                                          own_in_cascade=self._own_in_cascade)
+        dequant = self._choose_dequant(plan, inputs, dequantize)
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
             if self._copied:
                 self._copy_done.synchronize()  # the last copy has finished reading _host
-            n = fill_workspace(self._dev.layout, self._dev.host, plan, inputs)
+            n = fill_workspace(self._dev.layout, self._dev.host, plan, inputs, dequant)
             # Earlier runs must have read the workspace before the copy rewrites it: those on
             # other streams recorded _run_done; those on the last copy's stream are ordered
             # before this copy when it is the same stream, else (a rare switch; that stream
@@ -394,17 +435,50 @@ class BatchAttention:
         self._copy_stream = stream.ptr
         self._ran = self._ran_on_copy_stream = False
         # A kernel whose work list is empty has nothing to do.
-        needed = {"decode": plan.decode.num_work_items, "prefill": plan.prefill.num_work_items,
-                  "merge": plan.merge_count,
+        prefill_items = plan.prefill.num_work_items
+        needed = {"decode": plan.decode.num_work_items, "merge": plan.merge_count,
+                  "prefill": 0 if dequant is not None else prefill_items,
+                  DEQUANTIZE: int(dequant is not None),
+                  PREFILL_DEQUANTIZED: prefill_items if dequant is not None else 0,
                   "cascade": plan.cascade.num_work_items if plan.cascade is not None else 0}
         self._plan_launches = tuple(one for kind, one in self._launches.items()
                                     if needed[kind] > 0)
         self._copied = True
-        self._plan, self._inputs = plan, inputs
+        self._plan, self._inputs, self._dequant = plan, inputs, dequant
         self._checked.clear()  # validation depends on the plan (total_q, pages, batch size)
         self._waited.clear()
         self._fast_runs.clear()
         return plan
+
+    def _choose_dequant(self, plan: BatchPlan, inputs: PlanInputs,
+                        dequantize: bool | None) -> DequantPlan | None:
+        """choose_pages for this BatchAttention's copy; dequantize=True refused where there
+        is no copy or the pages do not fit it."""
+        if dequantize not in (None, True, False):
+            raise TypeError(f"dequantize must be None, True or False, got {dequantize!r}")
+        copy = self._dequantizer
+        if dequantize and copy is None:
+            why = ("its cache is not fp8" if self.shape.kv_dtype != KV_FP8 else
+                   "max_dequant_bytes is 0 or below one page" if
+                   capacity_pages(self.shape, self.max_dequant_bytes) == 0 else
+                   "no prefill is within its bounds (max_qo_len)" if
+                   self.max_qo_len * self.shape.group_size <= self.prefill_min_rows else
+                   "it runs a compiled module without its variant (load_compiled); pass "
+                   "the Variant")
+            raise ValueError(f"plan(dequantize=True): this BatchAttention has no converted "
+                             f"copy: {why}")
+        if copy is None:
+            return None
+        chosen = choose_pages(plan, inputs, page_size=self.shape.page_size,
+                              capacity=copy.capacity, force=dequantize)
+        if dequantize and chosen is None and plan.prefill.num_work_items:
+            pages = choose_pages(plan, inputs, page_size=self.shape.page_size,
+                                 capacity=1 << 62, force=True)
+            if pages is not None:
+                raise CapacityError("max_dequant_bytes", pages.pages.shape[0]
+                                    * page_bytes(self.shape), self.max_dequant_bytes,
+                                    "bytes of converted pages")
+        return chosen
 
     # -- run
 

@@ -18,10 +18,11 @@ from typing import Any, NamedTuple
 from attnlang import env
 from attnlang.codegen.config import DECODE_MMA_ROWS, LaunchConfig, fine_tiles, launch_config
 from attnlang.runtime import hostpath, planner
+from attnlang.runtime.dequantize import Dequantizer
 from attnlang.runtime.module import KernelModule
 from attnlang.runtime.plan_mixed import Tiling
 from attnlang.runtime.validate import AttentionShape
-from attnlang.runtime.workspace import PackedArgs
+from attnlang.runtime.workspace import DEQUANTIZE, PREFILL_DEQUANTIZED, PackedArgs
 
 __all__ = ["Kernels", "Launch", "launch", "load_kernels", "merge_grid", "pack_launches",
            "dependent_launch", "graph_kernels"]
@@ -109,20 +110,26 @@ def merge_grid(kernels: Kernels, max_merge_rows: int) -> int:
 
 
 def graph_kernels(group_size: int, prefill_min_rows: int, max_qo_len: int, *,
-                  cascade: bool) -> dict[str, bool]:
+                  cascade: bool, dequantize: bool = False) -> dict[str, bool]:
     """The kernels a CUDA graph of run() must hold, by kind: those some plan within the
     bounds can reach. A request of qo_len queries has qo_len * group_size fused rows (from
     group_size up to max_qo_len * group_size); more than prefill_min_rows go to the prefill
     kernel. (A captured launch whose kernel has no work still runs its grid: an empty prefill
-    launch cost an fp8 decode step 2.5-7%.)
+    launch cost an fp8 decode step 2.5-7%.) dequantize: an fp8 cache's prefill may run
+    through a converted copy (runtime/dequantize.py), whose two kernels then go where the
+    prefill kernel goes.
 
     >>> graph_kernels(4, 8, 1, cascade=False)  # GQA 4 decode steps, an fp8 cache
-    {'cascade': False, 'decode': True, 'prefill': False, 'merge': True}
+    {'cascade': False, 'decode': True, 'prefill': False, 'merge': True, 'dequantize': False, \
+'prefill_dequantized': False}
     """
+    prefill = max_qo_len * group_size > prefill_min_rows
     return {"cascade": cascade,
             "decode": group_size <= prefill_min_rows,
-            "prefill": max_qo_len * group_size > prefill_min_rows,
-            "merge": True}
+            "prefill": prefill,
+            "merge": True,
+            DEQUANTIZE: prefill and dequantize,
+            PREFILL_DEQUANTIZED: prefill and dequantize}
 
 
 def dependent_launch(arch: str) -> bool:
@@ -135,25 +142,34 @@ def dependent_launch(arch: str) -> bool:
 
 
 def pack_launches(kernels: Kernels, workspace: dict[str, int], shape: AttentionShape,
-                  num_params: int, merge_ctas: int) -> dict[str, Launch]:
+                  num_params: int, merge_ctas: int,
+                  dequantizer: Dequantizer | None = None) -> dict[str, Launch]:
     """Each kernel's `Launch`, its arguments packed once (run() rewrites pointers and
     params). In launch order: the cascade kernel first, the merge kernel last (it reads the
-    others' partial states). Dependent launches where `dependent_launch` says so."""
-    grids = {"cascade": kernels.num_prefill_ctas, "decode": kernels.num_ctas,
-             "prefill": kernels.num_prefill_ctas, "merge": merge_ctas}
+    others' partial states); with a `dequantizer` (an fp8 cache's converted copy), its
+    conversion and the prefill kernel over the copy after the fp8 prefill kernel. Dependent
+    launches where `dependent_launch` says so."""
+    entries = [(kind, kernels.functions[kind].ptr,
+                kernels.num_ctas if kind == "decode" else kernels.num_prefill_ctas,
+                kernels.configs[kind])
+               for kind in ("cascade", "decode", "prefill") if kind in kernels.functions]
+    if dequantizer is not None:
+        entries += [(DEQUANTIZE, dequantizer.convert.ptr, dequantizer.convert_ctas,
+                     LaunchConfig((dequantizer.THREADS, 1, 1), 0, 0, 0)),
+                    (PREFILL_DEQUANTIZED, dequantizer.prefill.ptr, kernels.num_prefill_ctas,
+                     kernels.configs["prefill"])]
+        workspace = {**workspace, **dequantizer.pointers}
+    entries.append(("merge", kernels.functions["merge"].ptr, merge_ctas,
+                    kernels.configs["merge"]))
     dependent = dependent_launch(kernels.arch)
     launches = {}
-    for kind in ("cascade", "decode", "prefill", "merge"):
-        if kind not in kernels.functions:
-            continue
-        cfg = kernels.configs[kind]
+    for kind, fn, ctas, cfg in entries:
         packed = PackedArgs(kind, workspace, num_heads=shape.num_qo_heads,
                             num_kv_heads=shape.num_kv_heads, page_size=shape.page_size,
                             num_params=num_params)
-        grid, block, smem = (int(grids[kind]), 1, 1), _block3(cfg.block), int(cfg.smem_bytes)
-        launches[kind] = Launch(kernels.functions[kind].ptr, grid, block, smem, packed,
-                                dependent, _dependent_config(grid, block, smem) if dependent
-                                else None)
+        grid, block, smem = (int(ctas), 1, 1), _block3(cfg.block), int(cfg.smem_bytes)
+        launches[kind] = Launch(fn, grid, block, smem, packed, dependent,
+                                _dependent_config(grid, block, smem) if dependent else None)
     return launches
 
 

@@ -533,9 +533,17 @@ def check_construction(*, max_batch_size: Any, max_total_q: Any, max_qo_len: Any
                        max_kv_indices: Any,
                        max_pair_mask_bytes: Any, max_work_items: Any, max_partial_rows: Any,
                        max_merge_rows: Any, num_ctas: Any, num_prefill_ctas: Any,
-                       prefill_min_rows: Any, cascade: Any) -> None:
+                       prefill_min_rows: Any, cascade: Any,
+                       max_dequant_bytes: Any = 0) -> None:
     """BatchAttention's capacities and knobs (None: the default) as it takes them, checked
     without a GPU: TypeError for a wrong type, ValueError for a value out of range."""
+    if isinstance(max_dequant_bytes, bool) or not isinstance(max_dequant_bytes,
+                                                             (int, np.integer)):
+        raise TypeError("max_dequant_bytes must be an integer >= 0 (0: no converted copy), "
+                        f"got {type(max_dequant_bytes).__name__}")
+    if max_dequant_bytes < 0:
+        raise ValueError(f"max_dequant_bytes must be an integer >= 0 (0: no converted copy), "
+                         f"got {max_dequant_bytes}")
     for name, value in (("max_batch_size", max_batch_size), ("max_total_q", max_total_q),
                         ("max_kv_indices", max_kv_indices),
                         ("max_pair_mask_bytes", max_pair_mask_bytes)):

@@ -19,6 +19,7 @@ import numpy as np
 from attnlang import ir
 from attnlang.runtime import tensor_maps
 from attnlang.runtime.arrays import TensorInfo
+from attnlang.runtime.dequantize import DequantPlan
 from attnlang.runtime.plan_mixed import BatchPlan
 from attnlang.runtime.planner import Plan, PlanBounds
 from attnlang.runtime.validate import PlanInputs
@@ -28,6 +29,8 @@ __all__ = ["WorkspaceLayout", "workspace_layout", "fill_workspace", "kernel_args
 
 # run()'s per-call array pointers, little-endian 8-byte slots (PackedArgs.update).
 _FIVE_POINTERS, _TWO_POINTERS = struct.Struct("<5Q"), struct.Struct("<2Q")
+_ONE_POINTER = struct.Struct("<Q")
+_OUT_SLOT = 3  # the attention kernels' out (then lse)
 # The merge kernel's out and lse arguments (kernel_args: after its six workspace pointers);
 # the other kernels take q, k_cache, v_cache, out, lse first.
 _MERGE_OUT_SLOT = 6
@@ -48,8 +51,14 @@ _SECTIONS = (
     "prefill_work_indptr", *(_PREFILL_PREFIX + name for name in _WORK),
     "cascade_work_indptr", *(_CASCADE_PREFIX + name for name in _WORK), "cascade_item",
     "token_request",
-    "merge_indptr", "merge_token", "merge_head", "merge_request", "merge_slots", "kv_indices",
+    "merge_indptr", "merge_token", "merge_head", "merge_request", "merge_slots",
+    "dequant_work_indptr", "dequant_pages", "kv_indices",
 )
+# The kernels reading an fp8 cache's prefill pages through a converted copy
+# (runtime/dequantize.py): the conversion, then the prefill kernel of a bf16/fp16 cache, which
+# reads the copy (fixed pointers: k_cache, v_cache and its tensor maps are the copy's) and
+# its own work-list index (the prefill list's, or empty when the plan converts nothing).
+DEQUANTIZE, PREFILL_DEQUANTIZED = "dequantize", "prefill_dequantized"
 
 
 @dataclass(frozen=True)
@@ -67,12 +76,13 @@ class WorkspaceLayout:
 
 def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
                      num_prefill_ctas: int | None = None,
-                     cascade: bool = False) -> WorkspaceLayout:
+                     cascade: bool = False, dequant_pages: int = 0) -> WorkspaceLayout:
     """The fixed layout of the int32 workspace for these capacities: the decode kernel's work
     list (num_ctas CTAs), the prefill kernel's (num_prefill_ctas, default num_ctas), each
     holding up to bounds.max_work_items items, the merge list and the page table; with
     cascade, the cascade kernel's list (num_prefill_ctas) and its arrays (else they are
-    empty sections).
+    empty sections); with dequant_pages (an fp8 cache's converted copy, its slots), the
+    conversion's page list (its count first) and the converted prefill's work-list index.
 
     Example: ``workspace_layout(132, worst_case_bounds(...), 1 << 20).total``.
     """
@@ -83,6 +93,8 @@ def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
         "work_indptr": num_ctas + 1, "prefill_work_indptr": prefill_ctas + 1, "merge_count": 1,
         "qo_indptr": b + 1, "kv_indptr": b + 1, "kv_last_page_len": b, "merge_indptr": m + 1,
         "merge_slots": p, "kv_indices": max_kv_indices,
+        "dequant_pages": dequant_pages + 1 if dequant_pages else 0,
+        "dequant_work_indptr": prefill_ctas + 1 if dequant_pages else 0,
     }
     for name in _WORK:
         caps[name] = caps[_PREFILL_PREFIX + name] = w
@@ -100,15 +112,19 @@ def workspace_layout(num_ctas: int, bounds: PlanBounds, max_kv_indices: int,
 
 
 def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: BatchPlan | Plan,
-                   inputs: PlanInputs) -> int:
+                   inputs: PlanInputs, dequant: DequantPlan | None = None) -> int:
     """Write `plan` and the page table into the host image of the workspace (int32, at
     least layout.total long). Returns how many leading elements must be copied to the GPU.
-    A bare Plan (plan_batch) is a decode-only batch: the prefill list is left empty. The
-    caller has checked the capacities (the planner's bounds, max_kv_indices)."""
+    A bare Plan (plan_batch) is a decode-only batch: the prefill list is left empty. With
+    `dequant` (an fp8 cache's prefill through its converted copy) the prefill list is the
+    converted prefill's, the conversion's page list is written and the page table is
+    dequant.kv_indices. The caller has checked the capacities (the planner's bounds,
+    max_kv_indices, the copy's slots)."""
     off = layout.offsets
     host[off["merge_count"]] = plan.merge_count
+    kv_indices = inputs.kv_indices if dequant is None else dequant.kv_indices
     arrays = [("qo_indptr", inputs.qo_indptr), ("kv_indptr", inputs.kv_indptr),
-              ("kv_last_page_len", inputs.kv_last_page_len), ("kv_indices", inputs.kv_indices),
+              ("kv_last_page_len", inputs.kv_last_page_len), ("kv_indices", kv_indices),
               *plan.merge_arrays().items()]
     if isinstance(plan, BatchPlan):
         arrays += plan.decode.work_arrays().items()
@@ -129,7 +145,29 @@ def fill_workspace(layout: WorkspaceLayout, host: np.ndarray, plan: BatchPlan | 
         if n:  # empty sections (an unused list, no merges) have nothing to write
             start = off[name]
             host[start:start + n] = array
+    if layout.capacity["dequant_pages"]:
+        _fill_dequant(layout, host, dequant)
+    elif dequant is not None:
+        raise ValueError("this workspace has no room for a converted copy's pages")
     return layout.copy_elems(inputs.kv_indices.shape[0])
+
+
+def _fill_dequant(layout: WorkspaceLayout, host: np.ndarray, dequant: DequantPlan | None):
+    """The conversion's page list (count first) and the converted prefill's list index: the
+    prefill list runs in the converted prefill (its index moved there, the fp8 cache's
+    prefill kernel's zeroed) or in the fp8 cache's prefill kernel, never both."""
+    off, size = layout.offsets, layout.capacity["dequant_work_indptr"]
+    moved, index = off["dequant_work_indptr"], off["prefill_work_indptr"]
+    pages = off["dequant_pages"]
+    if dequant is None:
+        host[pages] = 0
+        host[moved:moved + size] = 0
+        return
+    n = dequant.pages.shape[0]
+    host[pages] = n
+    host[pages + 1:pages + 1 + n] = dequant.pages
+    host[moved:moved + size] = host[index:index + size]
+    host[index:index + size] = 0
 
 
 # ---------------------------------------------------------------------------- kernel args
@@ -149,6 +187,18 @@ def kernel_args(kind: str, *, q: int, k_cache: int, v_cache: int, out: int, lse:
     tail = (np.int32(num_heads), np.int32(num_kv_heads), np.int32(page_size),
             np.float32(sm_scale),
             *(ptr(v.ptr) if isinstance(v, TensorInfo) else v for _, v in params))
+    if kind == PREFILL_DEQUANTIZED:
+        # The prefill kernel's arguments over the converted copy: its pages, its tensor maps,
+        # and the prefill list behind its own index.
+        return kernel_args("prefill", q=q, k_cache=ws["dequant_k"], v_cache=ws["dequant_v"],
+                           out=out, lse=lse, ws={**ws, "tma_maps": ws["dequant_tma_maps"],
+                                                 "prefill_work_indptr":
+                                                     ws["dequant_work_indptr"]},
+                           num_heads=num_heads, num_kv_heads=num_kv_heads,
+                           page_size=page_size, sm_scale=sm_scale, params=params)
+    if kind == DEQUANTIZE:
+        return (ptr(q), ptr(k_cache), ptr(v_cache), ptr(out), ptr(lse),
+                ptr(ws["dequant_pages"]), ptr(ws["dequant_k"]), ptr(ws["dequant_v"]), *tail)
     if kind in ("decode", "prefill", "cascade"):
         # Same arguments (INTERNALS.md); each kernel reads its own work list, the cascade
         # kernel two more arrays after it.
@@ -234,6 +284,9 @@ class PackedArgs:
                params: Sequence[tuple[ir.ParamSpec, Any]]) -> None:
         if self._kind == "merge":
             _TWO_POINTERS.pack_into(self._bytes, 8 * _MERGE_OUT_SLOT, out, lse)
+        elif self._kind == PREFILL_DEQUANTIZED:  # its k_cache and v_cache are the copy's
+            _ONE_POINTER.pack_into(self._bytes, 0, q)
+            _TWO_POINTERS.pack_into(self._bytes, 8 * _OUT_SLOT, out, lse)
         else:
             _FIVE_POINTERS.pack_into(self._bytes, 0, q, k_cache, v_cache, out, lse)
         self._floats[2 * self._scale] = sm_scale
@@ -244,7 +297,9 @@ class PackedArgs:
         """(the slots of q, k_cache, v_cache, out: -1 where the kernel has none; the slot of
         the variant's first param; the packed bytes as they are now), what hostpath.FastRun
         launches from."""
-        slots = (-1, -1, -1, _MERGE_OUT_SLOT) if self._kind == "merge" else (0, 1, 2, 3)
+        slots = ((-1, -1, -1, _MERGE_OUT_SLOT) if self._kind == "merge" else
+                 (0, -1, -1, _OUT_SLOT) if self._kind == PREFILL_DEQUANTIZED else
+                 (0, 1, 2, _OUT_SLOT))
         return slots, self._scale + 1, bytes(self._bytes)
 
     def values(self) -> tuple:

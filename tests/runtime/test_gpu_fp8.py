@@ -57,7 +57,7 @@ def quantize(rng, batch, num_kv_heads: int):
 def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dtype, page_size,
             seed, error_log, where, scales="tensor", arrays="cupy", kv_chunk_size=None,
             head_dim_vo=None, expect=None, prefill_min_rows=None, q_exponent=None,
-            num_prefill_ctas=None):
+            num_prefill_ctas=None, dequantize=None):
     rng = np.random.default_rng(seed)
     variant = (attnlang.load(VARIANT_PATHS[variant_id]) if isinstance(variant_id, str)
                else variant_id)  # a parsed variant
@@ -90,7 +90,10 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
                                    prefill_min_rows=prefill_min_rows,
                                    num_prefill_ctas=num_prefill_ctas, **extra)
     plan_params, params = split_params(variant, params)
-    plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size, params=plan_params)
+    plan = attn.plan(*batch.table, kv_chunk_size=kv_chunk_size, params=plan_params,
+                     dequantize=dequantize)
+    if dequantize is not None:
+        assert (attn.last_dequant is not None) == (dequantize and plan.prefill.num_work_items > 0)
     if expect is not None:
         assert (plan.decode.num_work_items > 0, plan.prefill.num_work_items > 0) == expect
     q = to_device(cp, batch.q, dtype)
@@ -217,6 +220,44 @@ def test_fp8_scores_from_split_queries(cp, error_log, variant_id, head_dim, page
             prefill_min_rows=group - 1 if shape == "decode" else None,
             expect=(False, True) if shape == "decode" else None,
             where=f"fp8 split q {variant_id} {shape} d{head_dim} p{page_size} g{group}")
+
+
+# The prefill through a converted copy of the pages it reads (runtime/dequantize.py; plan()
+# takes it by itself for long prompts, forced here for the tests' short ones): the dequantize
+# kernel, then the prefill kernel of a bf16/fp16 cache over the copy. Keys by TMA and by
+# cp.async (pages of 8), pages of one token, head dims 64-256, a key hook (it sees the
+# dequantised keys), a window trimming the pages converted, split chunks through the merge.
+_COPY = [("causal", "bfloat16", 128, 16, 4, "prefill", None),
+         ("causal", "float16", 128, 8, 1, "chunk", 100),
+         ("causal", "bfloat16", 256, 16, 2, "prefill", None),
+         ("alibi", "bfloat16", 64, 16, 4, "prefill", None),
+         ("gptj_rope", "bfloat16", 128, 64, 4, "prefill", None),
+         ("softcap", "float16", 128, 1, 8, "chunk", None),
+         ("t5_bias", "bfloat16", 128, 16, 4, "prefill", None),
+         ("kitchen_sink", "bfloat16", 128, 16, 2, "prefill", None),
+         ("sliding_window", "bfloat16", 128, 16, 4, "chunk", None)]
+
+
+@pytest.mark.parametrize("variant_id, dtype, head_dim, page_size, group, shape, chunk", _COPY,
+                         ids=[f"{v}-{SHORT[d]}-d{h}-p{p}-g{g}-{s}-{c or 'auto'}"
+                              for v, d, h, p, g, s, c in _COPY])
+def test_fp8_prefill_through_a_copy(cp, error_log, variant_id, dtype, head_dim, page_size,
+                                    group, shape, chunk):
+    qo, kv = _LENGTHS[shape]
+    run_fp8(cp, variant_id, qo, kv, num_qo_heads=2 * group, num_kv_heads=2, head_dim=head_dim,
+            dtype=dtype, page_size=page_size, seed=7600 + head_dim + group + page_size,
+            error_log=error_log, kv_chunk_size=chunk, dequantize=True,
+            where=f"fp8 copy {variant_id} {shape} d{head_dim} p{page_size} g{group}")
+
+
+def test_fp8_copy_beside_decode_steps(cp, error_log):
+    """A mixed batch: decode steps keep reading the fp8 pages (tensor-core decode kernel), the
+    prompts read the copy, whose slots replace only their page-table entries."""
+    plan = run_fp8(cp, "causal", [1, 260, 1, 130], [900, 700, 33, 1000], num_qo_heads=8,
+                   num_kv_heads=2, head_dim=128, dtype="bfloat16", page_size=16, seed=7700,
+                   error_log=error_log, dequantize=True, expect=(True, True),
+                   where="fp8 copy beside decode steps")
+    assert plan.decode.num_work_items and plan.prefill.num_work_items
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -398,6 +439,9 @@ def test_fp8_errors(cp):
     with pytest.raises((TypeError, ValueError), match="k_scale"):
         attn.run(q, (kc, kc), k_scale=cp.ones(3, np.float32), v_scale=1.0)
     bf16 = attnlang.BatchAttention(variant, 4, 2, 64, max_batch_size=2, max_total_q=16)
+    with pytest.raises(ValueError, match="no converted copy: its cache is not fp8"):
+        bf16.plan(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([5]),
+                  dequantize=True)
     bf16.plan(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([5]))
     with pytest.raises(TypeError, match="kv_dtype='fp8'"):
         bf16.run(q, (kc, kc))
@@ -455,3 +499,58 @@ def test_fp8_cuda_graph(cp, max_qo_len):
         _, indptr, indices, last = table([100, 300, 17, 250])
         with pytest.raises(CapacityError, match="max_qo_len=2"):
             attn.plan(np.array([0, 2, 3, 4, 5]), indptr, indices, last)
+
+
+def test_fp8_copy_capacity_and_graph(cp):
+    """A copy of two pages: plan() falls back to converting per tile when a prompt's pages do
+    not fit (dequantize=True refuses, naming the bound); a graph captured on a plan through
+    the copy replays plans through either path, with new scales."""
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    rng = np.random.default_rng(74)
+    hq, hkv, d, page = 8, 2, 128, 16
+    copy_bytes = 2 * page * hkv * 2 * d * 2  # two pages of K and V in bf16
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=2,
+                                   max_total_q=256, max_dequant_bytes=copy_bytes)
+    pages = 40
+    k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
+    v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
+    kc, vc = cp.asarray(k_bits), cp.asarray(v_bits)
+    q_host = rng.standard_normal((256, hq, d)).astype(np.float32)
+    q = to_device(cp, q_host, "bfloat16")
+    ks, vs = cp.full(hkv, 0.02, np.float32), cp.full(hkv, 0.03, np.float32)
+    out = cp.zeros((256, hq, d), np.uint16)
+
+    def table(qo, kv):
+        n = [-(-x // page) for x in kv]
+        indptr = np.concatenate([[0], np.cumsum(n)])
+        last = np.array([x - (m - 1) * page for x, m in zip(kv, n, strict=True)])
+        return (np.concatenate([[0], np.cumsum(qo)]), indptr,
+                rng.permutation(pages)[:indptr[-1]], last)
+
+    fits = table([25], [30])  # two pages
+    too_long = table([256], [300])
+    with pytest.raises(CapacityError, match="max_dequant_bytes"):
+        attn.plan(*too_long, dequantize=True)
+    stream = cp.cuda.Stream(non_blocking=True)
+    attn.plan(*fits, dequantize=True)
+    assert attn.last_dequant is not None and attn.last_dequant.pages.size == 2
+    with stream:  # views of the buffers at their start: later plans use more rows
+        attn.run(q[:25], (kc, vc), out=out[:25], k_scale=ks, v_scale=vs)  # warm up
+        stream.begin_capture()
+        attn.run(q[:25], (kc, vc), out=out[:25], k_scale=ks, v_scale=vs)
+        graph = stream.end_capture()
+    for tab, force, k_s, v_s in ((too_long, None, 0.01, 0.05), (fits, True, 0.04, 0.02),
+                                 (table([20], [25]), False, 0.03, 0.03)):
+        with stream:
+            attn.plan(*tab, dequantize=force)
+            ks.fill(k_s)
+            vs.fill(v_s)
+            out.fill(0x7FC0)  # bf16 NaN: rows the replay leaves unwritten show
+            graph.launch()
+        stream.synchronize()
+        assert (attn.last_dequant is not None) == bool(force)
+        n = int(tab[0][-1])
+        ref, _ = attention_paged(variant, round_to_dtype(q_host[:n], "bfloat16"),
+                                 from_e4m3(k_bits) * k_s, from_e4m3(v_bits) * v_s, *tab)
+        got = from_device(cp, out, "bfloat16")[:n]
+        assert rel_l2(got, ref) <= TOLERANCE["bfloat16"]
