@@ -50,12 +50,14 @@ from attnlang.runtime.arrays import (
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
 from attnlang.runtime.dequantize import (
+    MIN_READS_PER_KEY,
     Dequantizer,
     DequantPlan,
     capacity_pages,
     choose_pages,
     page_bytes,
 )
+from attnlang.runtime.dequantize import reachable as copy_reachable
 from attnlang.runtime.kv_scales import KvScales
 from attnlang.runtime.launches import (
     graph_kernels,
@@ -254,11 +256,14 @@ class BatchAttention:
         reachable = graph_kernels(s.group_size, self.prefill_min_rows, self.max_qo_len,
                                   cascade=cascade)
         # An fp8 cache's prefill may read a converted copy of its pages (dequantize.py):
-        # where a prefill is reachable and the variant is at hand to compile it for.
+        # where a request within the bounds reads its keys often enough for a plan to take
+        # it, and the variant is at hand to compile the copy's prefill kernel from.
         self._dequantizer = None
         capacity = capacity_pages(s, max_dequant_bytes)
         if (s.kv_dtype == KV_FP8 and reachable["prefill"] and capacity > 0
-                and variant is not None):
+                and variant is not None
+                and copy_reachable(self.max_qo_len, s.group_size,
+                                   self._tilings["prefill"].rows_per_tile)):
             self._dequantizer = Dequantizer(
                 variant, self.module.params, s, arch=self.module.arch, device=self.device,
                 capacity=capacity, prefill_smem=self._kernels.configs["prefill"].smem_bytes,
@@ -461,10 +466,11 @@ class BatchAttention:
             why = ("its cache is not fp8" if self.shape.kv_dtype != KV_FP8 else
                    "max_dequant_bytes is 0 or below one page" if
                    capacity_pages(self.shape, self.max_dequant_bytes) == 0 else
-                   "no prefill is within its bounds (max_qo_len)" if
-                   self.max_qo_len * self.shape.group_size <= self.prefill_min_rows else
                    "it runs a compiled module without its variant (load_compiled); pass "
-                   "the Variant")
+                   "the Variant" if getattr(self.module, "variant", None) is None else
+                   f"no request of max_qo_len={self.max_qo_len} queries reads a key "
+                   f"{MIN_READS_PER_KEY} times (one read per "
+                   f"{self._tilings['prefill'].rows_per_tile} fused rows)")
             raise ValueError(f"plan(dequantize=True): this BatchAttention has no converted "
                              f"copy: {why}")
         if copy is None:

@@ -24,14 +24,14 @@ import numpy as np
 from attnlang.runtime.plan_mixed import BatchPlan
 from attnlang.runtime.validate import AttentionShape, PlanInputs
 
-__all__ = ["MIN_READS_PER_KEY", "DequantPlan", "choose_pages", "page_bytes", "capacity_pages",
-           "Dequantizer"]
+__all__ = ["MIN_READS_PER_KEY", "DequantPlan", "choose_pages", "reachable", "page_bytes",
+           "capacity_pages", "Dequantizer"]
 
 # Reads of each converted key by the plan's prefill items at and above which converting
 # first pays (benchmarks/NOTES.md, "fp8 prefill through a converted copy").
 MIN_READS_PER_KEY = 24
 # The dequantize kernel's CTAs (256 threads) per SM: a grid-stride loop over the chunks.
-_CTAS_PER_SM = 6
+_CTAS_PER_SM = 4
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,18 @@ class DequantPlan:
     pages: np.ndarray
     kv_indices: np.ndarray
     reads_per_key: float
+
+
+def reachable(max_qo_len: int, group_size: int, rows_per_tile: int) -> bool:
+    """Can a plan within these bounds read a key MIN_READS_PER_KEY times, so that it would
+    take the copy by itself? A request's items read each of its keys at most once per tile
+    of rows_per_tile fused rows (qo_len * group_size). Where not, a BatchAttention builds no
+    copy and its CUDA graphs hold no launch of it (an empty launch costs a graph 3-5 us).
+
+    >>> reachable(1, 4, 128), reachable(737, 4, 128)
+    (False, True)
+    """
+    return -(-max_qo_len * group_size // rows_per_tile) >= MIN_READS_PER_KEY
 
 
 def page_bytes(shape: AttentionShape) -> int:

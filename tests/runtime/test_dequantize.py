@@ -165,6 +165,13 @@ def test_render_refuses_params_without_the_scales():
         render_dequantize(attnlang.load(VARIANT_PATHS["softcap"]).params, "bfloat16", 128)
 
 
+def test_a_copy_where_a_request_may_read_a_key_often_enough():
+    # one read per tile of 128 fused rows: GQA 4 needs 737 queries for 24 tiles
+    assert not D.reachable(1, 4, 128) and not D.reachable(736, 4, 128)
+    assert D.reachable(737, 4, 128) and D.reachable(2945, 1, 128)
+    assert D.MIN_READS_PER_KEY == 24  # the figure the lines above were written for
+
+
 def test_graphs_hold_the_copy_where_a_prefill_is_reachable():
     assert graph_kernels(4, 8, 1, cascade=False, dequantize=True)[DEQUANTIZE] is False
     both = graph_kernels(4, 8, 512, cascade=False, dequantize=True)

@@ -85,7 +85,9 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
     attn = attnlang.BatchAttention(variant, num_qo_heads, num_kv_heads, head_dim, dtype=dtype,
                                    page_size=page_size, head_dim_vo=head_dim_vo, kv_dtype="fp8",
                                    max_batch_size=max(4, len(qo)),
-                                   max_total_q=max(16, int(qo.sum())),
+                                   # a copy where some request may read a key 24 times
+                                   max_total_q=max(16 if dequantize is None else 4096,
+                                                   int(qo.sum())),
                                    max_kv_indices=max(1 << 12, len(batch.kv_indices)),
                                    prefill_min_rows=prefill_min_rows,
                                    num_prefill_ctas=num_prefill_ctas, **extra)
@@ -439,6 +441,9 @@ def test_fp8_errors(cp):
     with pytest.raises((TypeError, ValueError), match="k_scale"):
         attn.run(q, (kc, kc), k_scale=cp.ones(3, np.float32), v_scale=1.0)
     bf16 = attnlang.BatchAttention(variant, 4, 2, 64, max_batch_size=2, max_total_q=16)
+    with pytest.raises(ValueError, match="no request of max_qo_len=16 queries reads a key"):
+        attn.plan(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([5]),
+                  dequantize=True)
     with pytest.raises(ValueError, match="no converted copy: its cache is not fp8"):
         bf16.plan(np.array([0, 1]), np.array([0, 1]), np.array([0]), np.array([5]),
                   dequantize=True)
@@ -510,15 +515,15 @@ def test_fp8_copy_capacity_and_graph(cp):
     hq, hkv, d, page = 8, 2, 128, 16
     copy_bytes = 2 * page * hkv * 2 * d * 2  # two pages of K and V in bf16
     attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=2,
-                                   max_total_q=256, max_dequant_bytes=copy_bytes)
+                                   max_total_q=1024, max_dequant_bytes=copy_bytes)
     pages = 40
     k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
     v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
     kc, vc = cp.asarray(k_bits), cp.asarray(v_bits)
-    q_host = rng.standard_normal((256, hq, d)).astype(np.float32)
+    q_host = rng.standard_normal((1024, hq, d)).astype(np.float32)
     q = to_device(cp, q_host, "bfloat16")
     ks, vs = cp.full(hkv, 0.02, np.float32), cp.full(hkv, 0.03, np.float32)
-    out = cp.zeros((256, hq, d), np.uint16)
+    out = cp.zeros((1024, hq, d), np.uint16)
 
     def table(qo, kv):
         n = [-(-x // page) for x in kv]
