@@ -50,14 +50,12 @@ from attnlang.runtime.arrays import (
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
 from attnlang.runtime.dequantize import (
-    MIN_READS_PER_KEY,
     Dequantizer,
     DequantPlan,
     capacity_pages,
-    choose_pages,
-    page_bytes,
+    plan_copy,
+    why_no_copy,
 )
-from attnlang.runtime.dequantize import reachable as copy_reachable
 from attnlang.runtime.kv_scales import KvScales
 from attnlang.runtime.launches import (
     graph_kernels,
@@ -258,15 +256,17 @@ class BatchAttention:
         # An fp8 cache's prefill may read a converted copy of its pages (dequantize.py):
         # where a request within the bounds reads its keys often enough for a plan to take
         # it, and the variant is at hand to compile the copy's prefill kernel from.
+        self._no_copy = why_no_copy(s, max_bytes=max_dequant_bytes,
+                                    has_variant=variant is not None,
+                                    prefill_reachable=reachable["prefill"],
+                                    max_qo_len=self.max_qo_len,
+                                    rows_per_tile=self._tilings["prefill"].rows_per_tile)
         self._dequantizer = None
-        capacity = capacity_pages(s, max_dequant_bytes)
-        if (s.kv_dtype == KV_FP8 and reachable["prefill"] and capacity > 0
-                and variant is not None
-                and copy_reachable(self.max_qo_len, s.group_size,
-                                   self._tilings["prefill"].rows_per_tile)):
+        if self._no_copy is None:
             self._dequantizer = Dequantizer(
                 variant, self.module.params, s, arch=self.module.arch, device=self.device,
-                capacity=capacity, prefill_smem=self._kernels.configs["prefill"].smem_bytes,
+                capacity=capacity_pages(s, max_dequant_bytes),
+                prefill_smem=self._kernels.configs["prefill"].smem_bytes,
                 prefill_ctas=self.num_prefill_ctas)
             reachable = graph_kernels(s.group_size, self.prefill_min_rows, self.max_qo_len,
                                       cascade=cascade, dequantize=True)
@@ -413,7 +413,9 @@ class BatchAttention:
         else:
             plan = cascades.plan_cascade(inputs.qo_lens, inputs.kv_lens, groups, **common,
                                          own_in_cascade=self._own_in_cascade)
-        dequant = self._choose_dequant(plan, inputs, dequantize)
+        dequant = plan_copy(plan, inputs, self.shape, max_bytes=self.max_dequant_bytes,
+                            capacity=self._dequantizer.capacity if self._dequantizer else 0,
+                            no_copy=self._no_copy, force=dequantize)
         with cupy.cuda.Device(self.device):
             stream = cupy.cuda.get_current_stream()
             if self._copied:
@@ -454,37 +456,6 @@ class BatchAttention:
         self._waited.clear()
         self._fast_runs.clear()
         return plan
-
-    def _choose_dequant(self, plan: BatchPlan, inputs: PlanInputs,
-                        dequantize: bool | None) -> DequantPlan | None:
-        """choose_pages for this BatchAttention's copy; dequantize=True refused where there
-        is no copy or the pages do not fit it."""
-        if dequantize not in (None, True, False):
-            raise TypeError(f"dequantize must be None, True or False, got {dequantize!r}")
-        copy = self._dequantizer
-        if dequantize and copy is None:
-            why = ("its cache is not fp8" if self.shape.kv_dtype != KV_FP8 else
-                   "max_dequant_bytes is 0 or below one page" if
-                   capacity_pages(self.shape, self.max_dequant_bytes) == 0 else
-                   "it runs a compiled module without its variant (load_compiled); pass "
-                   "the Variant" if getattr(self.module, "variant", None) is None else
-                   f"no request of max_qo_len={self.max_qo_len} queries reads a key "
-                   f"{MIN_READS_PER_KEY} times (one read per "
-                   f"{self._tilings['prefill'].rows_per_tile} fused rows)")
-            raise ValueError(f"plan(dequantize=True): this BatchAttention has no converted "
-                             f"copy: {why}")
-        if copy is None:
-            return None
-        chosen = choose_pages(plan, inputs, page_size=self.shape.page_size,
-                              capacity=copy.capacity, force=dequantize)
-        if dequantize and chosen is None and plan.prefill.num_work_items:
-            pages = choose_pages(plan, inputs, page_size=self.shape.page_size,
-                                 capacity=1 << 62, force=True)
-            if pages is not None:
-                raise CapacityError("max_dequant_bytes", pages.pages.shape[0]
-                                    * page_bytes(self.shape), self.max_dequant_bytes,
-                                    "bytes of converted pages")
-        return chosen
 
     # -- run
 

@@ -21,11 +21,13 @@ from typing import Any
 
 import numpy as np
 
+from attnlang.codegen.config import KV_FP8
 from attnlang.runtime.plan_mixed import BatchPlan
+from attnlang.runtime.planner import CapacityError
 from attnlang.runtime.validate import AttentionShape, PlanInputs
 
-__all__ = ["MIN_READS_PER_KEY", "DequantPlan", "choose_pages", "reachable", "page_bytes",
-           "capacity_pages", "Dequantizer"]
+__all__ = ["MIN_READS_PER_KEY", "DequantPlan", "choose_pages", "plan_copy", "reachable",
+           "why_no_copy", "page_bytes", "capacity_pages", "Dequantizer"]
 
 # Reads of each converted key by the plan's prefill items at and above which converting
 # first pays (benchmarks/NOTES.md, "fp8 prefill through a converted copy").
@@ -48,16 +50,61 @@ class DequantPlan:
     reads_per_key: float
 
 
-def reachable(max_qo_len: int, group_size: int, rows_per_tile: int) -> bool:
+def reachable(max_qo_len: int, *, group_size: int, rows_per_tile: int) -> bool:
     """Can a plan within these bounds read a key MIN_READS_PER_KEY times, so that it would
     take the copy by itself? A request's items read each of its keys at most once per tile
     of rows_per_tile fused rows (qo_len * group_size). Where not, a BatchAttention builds no
     copy and its CUDA graphs hold no launch of it (an empty launch costs a graph 3-5 us).
 
-    >>> reachable(1, 4, 128), reachable(737, 4, 128)
+    >>> reachable(1, group_size=4, rows_per_tile=128), reachable(737, group_size=4,
+    ...                                                          rows_per_tile=128)
     (False, True)
     """
     return -(-max_qo_len * group_size // rows_per_tile) >= MIN_READS_PER_KEY
+
+
+def why_no_copy(shape: AttentionShape, *, max_bytes: int, has_variant: bool,
+                prefill_reachable: bool, max_qo_len: int, rows_per_tile: int) -> str | None:
+    """Why a BatchAttention of `shape` builds no copy (plan(dequantize=True)'s error says
+    it), or None where it builds one: an fp8 cache whose prefill a request within the bounds
+    reaches and reads often enough (`reachable`), room for a page, and the variant itself to
+    compile the copy's prefill kernel from."""
+    if shape.kv_dtype != KV_FP8:
+        return "its cache is not fp8"
+    if capacity_pages(shape, max_bytes) == 0:
+        return f"max_dequant_bytes={max_bytes} holds no page ({page_bytes(shape)} bytes)"
+    if not has_variant:
+        return ("it runs a compiled module without its variant (load_compiled); pass the "
+                "Variant")
+    if not prefill_reachable or not reachable(max_qo_len, group_size=shape.group_size,
+                                              rows_per_tile=rows_per_tile):
+        return (f"no request of max_qo_len={max_qo_len} queries reads a key "
+                f"{MIN_READS_PER_KEY} times (one read per {rows_per_tile} fused rows)")
+    return None
+
+
+def plan_copy(plan: BatchPlan, inputs: PlanInputs, shape: AttentionShape, *, capacity: int,
+              max_bytes: int, no_copy: str | None,
+              force: bool | None = None) -> DequantPlan | None:
+    """`choose_pages` for a BatchAttention (its copy's `capacity` slots, or `no_copy`, the
+    reason it has none); force=True is refused where there is no copy (ValueError) or the
+    pages do not fit it (CapacityError naming max_dequant_bytes)."""
+    if force not in (None, True, False):
+        raise TypeError(f"dequantize must be None, True or False, got {force!r}")
+    if no_copy is not None:
+        if force:
+            raise ValueError(f"plan(dequantize=True): this BatchAttention has no converted "
+                             f"copy: {no_copy}")
+        return None
+    chosen = choose_pages(plan, inputs, page_size=shape.page_size, capacity=capacity,
+                          force=force)
+    if force and chosen is None:
+        needed = choose_pages(plan, inputs, page_size=shape.page_size, capacity=1 << 62,
+                              force=True)
+        if needed is not None:  # (None: no prefill item reads a key)
+            raise CapacityError("max_dequant_bytes", needed.pages.size * page_bytes(shape),
+                                max_bytes, "bytes of converted pages")
+    return chosen
 
 
 def page_bytes(shape: AttentionShape) -> int:

@@ -167,8 +167,11 @@ def test_render_refuses_params_without_the_scales():
 
 def test_a_copy_where_a_request_may_read_a_key_often_enough():
     # one read per tile of 128 fused rows: GQA 4 needs 737 queries for 24 tiles
-    assert not D.reachable(1, 4, 128) and not D.reachable(736, 4, 128)
-    assert D.reachable(737, 4, 128) and D.reachable(2945, 1, 128)
+    def reachable(max_qo_len, group):
+        return D.reachable(max_qo_len, group_size=group, rows_per_tile=128)
+
+    assert not reachable(1, 4) and not reachable(736, 4)
+    assert reachable(737, 4) and reachable(2945, 1)
     assert D.MIN_READS_PER_KEY == 24  # the figure the lines above were written for
 
 
@@ -196,3 +199,35 @@ def test_page_bytes_and_capacity():
     assert D.page_bytes(shape) == 16 * 8 * 256 * 2
     assert D.capacity_pages(shape, 256 << 20) == 4096
     assert D.capacity_pages(shape, D.page_bytes(shape) - 1) == 0
+
+
+def test_why_a_batch_attention_has_no_copy():
+    fp8 = A.validate_shape(32, 8, 128, "bfloat16", 16, kv_dtype="fp8")
+    ok = dict(max_bytes=256 << 20, has_variant=True, prefill_reachable=True, max_qo_len=8192,
+              rows_per_tile=128)
+    assert D.why_no_copy(fp8, **ok) is None
+    assert D.why_no_copy(A.validate_shape(32, 8, 128, "bfloat16", 16), **ok) == (
+        "its cache is not fp8")
+    assert "holds no page" in D.why_no_copy(fp8, **{**ok, "max_bytes": 1000})
+    assert "load_compiled" in D.why_no_copy(fp8, **{**ok, "has_variant": False})
+    for bounds in ({"max_qo_len": 1}, {"prefill_reachable": False}):
+        assert "reads a key 24 times" in D.why_no_copy(fp8, **{**ok, **bounds})
+
+
+def test_plan_copy_refuses_what_it_cannot_do():
+    from attnlang.runtime.planner import CapacityError
+
+    shape = A.validate_shape(8, 2, 128, "bfloat16", 16, kv_dtype="fp8")
+    inputs, plan = batch([1, 2048], [300, 2048])
+    common = dict(max_bytes=1 << 20, capacity=1000, no_copy=None)
+    assert D.plan_copy(plan, inputs, shape, **common) is not None
+    assert D.plan_copy(plan, inputs, shape, **common, force=False) is None
+    with pytest.raises(ValueError, match="has no converted copy: its cache is not fp8"):
+        D.plan_copy(plan, inputs, shape, **{**common, "no_copy": "its cache is not fp8"},
+                    force=True)
+    assert D.plan_copy(plan, inputs, shape, **{**common, "no_copy": "x"}) is None
+    with pytest.raises(CapacityError, match="max_dequant_bytes"):
+        D.plan_copy(plan, inputs, shape, **{**common, "capacity": 10}, force=True)
+    assert D.plan_copy(plan, inputs, shape, **{**common, "capacity": 10}) is None  # per tile
+    with pytest.raises(TypeError, match="dequantize must be None, True or False"):
+        D.plan_copy(plan, inputs, shape, **common, force="yes")
