@@ -1,17 +1,20 @@
 """Prefill of an fp8 cache through a converted copy of its pages.
 
-The prefill kernel reads each key tile of a request once per 128-row query tile: a 4096-token
-prompt with GQA 4 reads a page ~64 times. Converting e4m3 -> bf16 inside the kernel costs on
-every read (the producer's conversion: 0.79x of a bf16 cache's prefill at S4096), so where a
-plan's prefill reads its keys often enough, run() first converts the pages it reads once
-(the dequantize kernel, dequantize.cu.j2) into a bf16/fp16 copy of fixed size, and the prefill
-kernel compiled for a bf16/fp16 cache attends over the copy: the same variant, whose hooks see
-the dequantised values. Decode steps keep reading the fp8 pages (they read each page once).
+The prefill kernel reads each key tile of a request once per 128-row query tile: a causal
+4096-token prompt with GQA 4 reads a page ~66 times. Converting e4m3 -> bf16 inside the
+kernel costs on every read (the producer's conversion: 0.79x of a bf16 cache's prefill at
+S4096), so where a plan's prefill reads its keys often enough, run() first converts the pages
+it reads once (the dequantize kernel, dequantize.cu.j2) into a bf16/fp16 copy of fixed size,
+and the prefill kernel compiled for a bf16/fp16 cache attends over the copy: the same variant,
+whose hooks see the dequantised values. Decode steps keep reading the fp8 pages (they read
+each page once).
 
-`choose_pages` decides per plan (pure, CPU); `Dequantizer` holds the two kernels and the copy
-on one device. The copy's slots are the plan's pages in the order its prefill requests list
-them, so the page table the prefill kernel reads is the plan's with those entries replaced by
-their slots (the decode kernel's requests keep theirs: a request runs in one kernel only).
+`why_no_copy` says whether a BatchAttention builds a copy, `choose_pages` which pages a plan
+converts and `plan_copy` what plan() takes (pure, CPU); `Dequantizer` holds the two kernels
+and the copy on one device. The copy's slots are the plan's pages in the order its prefill
+requests list them, so the page table the prefill kernel reads is the plan's with those
+entries replaced by their slots (the decode kernel's requests keep theirs: a request runs in
+one kernel only).
 """
 
 from __future__ import annotations

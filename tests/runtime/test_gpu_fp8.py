@@ -454,6 +454,17 @@ def test_fp8_errors(cp):
         bf16.run(q, (cp.zeros((1, 16, 2, 64), np.uint16),) * 2, k_scale=1.0, v_scale=1.0)
 
 
+def graph_inputs(cp, rng, pages, rows, hq, hkv, d, page):
+    """A graph test's fixed buffers: e4m3 caches (host bits and device copies), q (host and
+    bf16 device), per-head device scales to refill between replays, a bf16 out."""
+    k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
+    v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
+    q_host = rng.standard_normal((rows, hq, d)).astype(np.float32)
+    return (k_bits, v_bits, cp.asarray(k_bits), cp.asarray(v_bits), q_host,
+            to_device(cp, q_host, "bfloat16"), cp.full(hkv, 0.02, np.float32),
+            cp.full(hkv, 0.03, np.float32), cp.zeros((rows, hq, d), np.uint16))
+
+
 @pytest.mark.parametrize("max_qo_len", [None, 1])
 def test_fp8_cuda_graph(cp, max_qo_len):
     # capture with device scales; replay after new scale values and a new plan. max_qo_len=1:
@@ -464,13 +475,8 @@ def test_fp8_cuda_graph(cp, max_qo_len):
     attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=4,
                                    max_total_q=64, max_qo_len=max_qo_len)
     pages = 64
-    k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
-    v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
-    kc, vc = cp.asarray(k_bits), cp.asarray(v_bits)
-    q_host = rng.standard_normal((4, hq, d)).astype(np.float32)
-    q = to_device(cp, q_host, "bfloat16")
-    ks, vs = cp.full(hkv, 0.02, np.float32), cp.full(hkv, 0.03, np.float32)
-    out = cp.zeros((4, hq, d), np.uint16)
+    k_bits, v_bits, kc, vc, q_host, q, ks, vs, out = graph_inputs(cp, rng, pages, 4, hq, hkv,
+                                                                  d, page)
 
     def table(lengths):
         n = [-(-x // page) for x in lengths]
@@ -517,13 +523,8 @@ def test_fp8_copy_capacity_and_graph(cp):
     attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=2,
                                    max_total_q=1024, max_dequant_bytes=copy_bytes)
     pages = 40
-    k_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
-    v_bits = to_e4m3(rng.standard_normal((pages, page, hkv, d)) * 50)
-    kc, vc = cp.asarray(k_bits), cp.asarray(v_bits)
-    q_host = rng.standard_normal((1024, hq, d)).astype(np.float32)
-    q = to_device(cp, q_host, "bfloat16")
-    ks, vs = cp.full(hkv, 0.02, np.float32), cp.full(hkv, 0.03, np.float32)
-    out = cp.zeros((1024, hq, d), np.uint16)
+    k_bits, v_bits, kc, vc, q_host, q, ks, vs, out = graph_inputs(cp, rng, pages, 1024, hq,
+                                                                  hkv, d, page)
 
     def table(qo, kv):
         n = [-(-x // page) for x in kv]
