@@ -560,3 +560,37 @@ def test_fp8_copy_capacity_and_graph(cp):
                                  from_e4m3(k_bits) * k_s, from_e4m3(v_bits) * v_s, *tab)
         got = from_device(cp, out, "bfloat16")[:n]
         assert rel_l2(got, ref) <= TOLERANCE["bfloat16"]
+
+
+def test_fp8_copy_layers_back_to_back(cp):
+    """Two layers' run() in one graph, each a prompt through the copy with no split (the merge
+    kernel has no row): the second layer's conversion must not rewrite the copy while the
+    first layer's prefill still reads it. Each kernel waits for the one before it only, and
+    every CTA waits before it exits (the merge kernel's without a row too); the prefill on 2
+    CTAs leaves the second layer's kernels free SMs to start early on."""
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    rng = np.random.default_rng(75)
+    hq, hkv, d, page, n = 8, 2, 128, 16, 1024
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=1,
+                                   max_total_q=n, num_prefill_ctas=2)
+    pages = n // page
+    table = (np.array([0, n]), np.array([0, pages]), rng.permutation(pages),
+             np.array([page]))
+    attn.plan(*table, dequantize=True)
+    assert attn.last_dequant is not None and attn.last_plan.merge_count == 0
+    layers = [graph_inputs(cp, rng, pages, n, hq, hkv, d, page) for _ in range(2)]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        for _, _, kc, vc, _, q, ks, vs, out in layers:
+            attn.run(q, (kc, vc), out=out, k_scale=ks, v_scale=vs)
+        graph = stream.end_capture()
+        for *_, out in layers:
+            out.fill(0x7FC0)
+        graph.launch()
+    stream.synchronize()
+    for k_bits, v_bits, _, _, q_host, _, ks, vs, out in layers:
+        ref, _ = attention_paged(variant, round_to_dtype(q_host, "bfloat16"),
+                                 from_e4m3(k_bits) * float(ks[0]),
+                                 from_e4m3(v_bits) * float(vs[0]), *table)
+        assert rel_l2(from_device(cp, out, "bfloat16"), ref) <= TOLERANCE["bfloat16"]
