@@ -153,6 +153,11 @@ class BatchAttention:
             requests' page lists share once for all their queries (plan()'s `cascade`;
             the README's "Shared-prefix cascades"). Refused for a variant whose key or value
             hook reads `batch`, `qo_len` or `kv_len`.
+        max_dequant_bytes: an fp8 cache's converted copy (runtime/dequantize.py): a prefill
+            that reads its keys 24 times or more (a long prompt) converts its pages once into
+            a bf16/fp16 copy of at most this size (default 256 MB, allocated at construction
+            where a request within the bounds can read a key that often; 0: never) and the
+            prefill kernel of such a cache reads it (plan()'s `dequantize`, `last_dequant`).
 
     Kernels: each planned request runs in the decode kernel (CUDA cores, up to 16 fused
     rows per work item) or, when it has more than prefill_min_rows fused rows
