@@ -55,8 +55,8 @@ __device__ __forceinline__ void attnlang_stamp(const unsigned long long start) {
 """
 _ENTRY = 'extern "C" __global__'
 _START = "  const unsigned long long stamp_start = attnlang_now();\n"
-_WAIT = ("  wait_for_prerequisites();  // ... and this one reads nothing before the one before "
-         "is done\n")
+_WAIT = ("  wait_for_prerequisites();  // ... and this one reads nothing else before the one "
+         "before is done\n")
 _LAST_ITEM_END = ("                                   num_kv_heads, params);\n"
                   "    }\n  }\n")
 _ITEM_END = ("        named_arrive(kItemBarrier, kThreads + kProducerThreads);\n"

@@ -848,9 +848,9 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
 // are visible: a kernel reads before it only what the plan alone decides (its arrays were
 // copied before either kernel ran; never q, the cache or the params, which the hooks read):
-// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
-// other attention kernels nothing. A kernel launched without the attribute returns from the
-// wait at once.
+// whether this CTA has work (leaves_idle), the merge kernel its rows' slots, the tensor-core
+// decode kernel its first work item. A kernel launched without the attribute returns from
+// the wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -859,6 +859,34 @@ __device__ __forceinline__ void launch_dependents() {
 __device__ __forceinline__ void wait_for_prerequisites() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Whether a CTA with no work in this launch (idle) may return at once, before the wait: every
+// idle CTA but the grid's first (sm_90+). Returning frees its SM for the next kernel's CTAs,
+// which would otherwise wait there until the kernel before this one completes (a graph holds
+// launches with no work: a plan without decode rows still launches the decode kernel). The
+// first CTA waits all the same, so this grid still completes only after the one before it,
+// which the next kernel, waiting on this one alone, relies on. Before sm_90 kernels do not
+// overlap, and idle CTAs run on as they always did.
+__device__ __forceinline__ bool leaves_idle(const bool idle) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return idle && (blockIdx.x | blockIdx.y | blockIdx.z) != 0;
+#else
+  return false;
+#endif
+}
+// Whether this CTA has no work items (work_indptr, the plan's array; sm_90+, for leaves_idle).
+// The two loads are opaque to the compiler, so it does not keep their values for the kernel's
+// own reads of the same words later: holding them from here on cost the prefill kernel spills.
+__device__ __forceinline__ bool has_no_items(const int* work_indptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  int first, end;
+  asm volatile("ld.global.nc.s32 %0, [%2];\n\tld.global.nc.s32 %1, [%2+4];\n"
+               : "=r"(first), "=r"(end) : "l"(work_indptr + blockIdx.x));
+  return first == end;
+#else
+  return false;
 #endif
 }
 
@@ -1233,7 +1261,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1237 "rope_norm_window_decode.cu"
+#line 1265 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1266,7 +1294,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1270 "rope_norm_window_decode.cu"
+#line 1298 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1275,13 +1303,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1279 "rope_norm_window_decode.cu"
+#line 1307 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1285 "rope_norm_window_decode.cu"
+#line 1313 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1303,14 +1331,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1307 "rope_norm_window_decode.cu"
+#line 1335 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1314 "rope_norm_window_decode.cu"
+#line 1342 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1871,7 +1899,8 @@ decode(const __nv_bfloat16* __restrict__ q,
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_offset, param_scale};
   launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
-  wait_for_prerequisites();  // ... and this one reads nothing before the one before is done
+  if (leaves_idle(has_no_items(work_indptr))) return;
+  wait_for_prerequisites();  // ... and this one reads nothing else before the one before is done
 
   // Thread layout (see the symbols above).
   const int tx = threadIdx.x;

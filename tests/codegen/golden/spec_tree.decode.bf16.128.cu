@@ -848,9 +848,9 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
 // are visible: a kernel reads before it only what the plan alone decides (its arrays were
 // copied before either kernel ran; never q, the cache or the params, which the hooks read):
-// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
-// other attention kernels nothing. A kernel launched without the attribute returns from the
-// wait at once.
+// whether this CTA has work (leaves_idle), the merge kernel its rows' slots, the tensor-core
+// decode kernel its first work item. A kernel launched without the attribute returns from
+// the wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -859,6 +859,34 @@ __device__ __forceinline__ void launch_dependents() {
 __device__ __forceinline__ void wait_for_prerequisites() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Whether a CTA with no work in this launch (idle) may return at once, before the wait: every
+// idle CTA but the grid's first (sm_90+). Returning frees its SM for the next kernel's CTAs,
+// which would otherwise wait there until the kernel before this one completes (a graph holds
+// launches with no work: a plan without decode rows still launches the decode kernel). The
+// first CTA waits all the same, so this grid still completes only after the one before it,
+// which the next kernel, waiting on this one alone, relies on. Before sm_90 kernels do not
+// overlap, and idle CTAs run on as they always did.
+__device__ __forceinline__ bool leaves_idle(const bool idle) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return idle && (blockIdx.x | blockIdx.y | blockIdx.z) != 0;
+#else
+  return false;
+#endif
+}
+// Whether this CTA has no work items (work_indptr, the plan's array; sm_90+, for leaves_idle).
+// The two loads are opaque to the compiler, so it does not keep their values for the kernel's
+// own reads of the same words later: holding them from here on cost the prefill kernel spills.
+__device__ __forceinline__ bool has_no_items(const int* work_indptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  int first, end;
+  asm volatile("ld.global.nc.s32 %0, [%2];\n\tld.global.nc.s32 %1, [%2+4];\n"
+               : "=r"(first), "=r"(end) : "l"(work_indptr + blockIdx.x));
+  return first == end;
+#else
+  return false;
 #endif
 }
 
@@ -1216,7 +1244,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_bit(p.u_allowed, ix, (ix.q_pos - (ix.kv_len - ix.qo_len)), ix.kv_pos);
 }
-#line 1220 "spec_tree_decode.cu"
+#line 1248 "spec_tree_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1226,7 +1254,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 12 "examples/spec_tree.attn"
   return attnlang::pair_tile(p.u_allowed, ix, q_lo - (ix.kv_len - ix.qo_len), q_hi - (ix.kv_len - ix.qo_len), kv_lo, kv_hi);
 }
-#line 1230 "spec_tree_decode.cu"
+#line 1258 "spec_tree_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1790,7 +1818,8 @@ decode(const __nv_bfloat16* __restrict__ q,
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_allowed};
   launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
-  wait_for_prerequisites();  // ... and this one reads nothing before the one before is done
+  if (leaves_idle(has_no_items(work_indptr))) return;
+  wait_for_prerequisites();  // ... and this one reads nothing else before the one before is done
 
   // Thread layout (see the symbols above).
   const int tx = threadIdx.x;

@@ -848,9 +848,9 @@ __device__ __forceinline__ void convert8<half>(half* chunk) {
 // exited. wait_for_prerequisites returns once the kernel before has completed and its writes
 // are visible: a kernel reads before it only what the plan alone decides (its arrays were
 // copied before either kernel ran; never q, the cache or the params, which the hooks read):
-// the merge kernel its rows' slots, the tensor-core decode kernel its first work item, the
-// other attention kernels nothing. A kernel launched without the attribute returns from the
-// wait at once.
+// whether this CTA has work (leaves_idle), the merge kernel its rows' slots, the tensor-core
+// decode kernel its first work item. A kernel launched without the attribute returns from
+// the wait at once.
 __device__ __forceinline__ void launch_dependents() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
@@ -859,6 +859,34 @@ __device__ __forceinline__ void launch_dependents() {
 __device__ __forceinline__ void wait_for_prerequisites() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+// Whether a CTA with no work in this launch (idle) may return at once, before the wait: every
+// idle CTA but the grid's first (sm_90+). Returning frees its SM for the next kernel's CTAs,
+// which would otherwise wait there until the kernel before this one completes (a graph holds
+// launches with no work: a plan without decode rows still launches the decode kernel). The
+// first CTA waits all the same, so this grid still completes only after the one before it,
+// which the next kernel, waiting on this one alone, relies on. Before sm_90 kernels do not
+// overlap, and idle CTAs run on as they always did.
+__device__ __forceinline__ bool leaves_idle(const bool idle) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return idle && (blockIdx.x | blockIdx.y | blockIdx.z) != 0;
+#else
+  return false;
+#endif
+}
+// Whether this CTA has no work items (work_indptr, the plan's array; sm_90+, for leaves_idle).
+// The two loads are opaque to the compiler, so it does not keep their values for the kernel's
+// own reads of the same words later: holding them from here on cost the prefill kernel spills.
+__device__ __forceinline__ bool has_no_items(const int* work_indptr) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  int first, end;
+  asm volatile("ld.global.nc.s32 %0, [%2];\n\tld.global.nc.s32 %1, [%2+4];\n"
+               : "=r"(first), "=r"(end) : "l"(work_indptr + blockIdx.x));
+  return first == end;
+#else
+  return false;
 #endif
 }
 
@@ -1215,7 +1243,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 1219 "tables_decode.cu"
+#line 1247 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1224,13 +1252,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 14 "tests/variants/tables.attn"
   return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 1228 "tables_decode.cu"
+#line 1256 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
   return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 1234 "tables_decode.cu"
+#line 1262 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1240,7 +1268,7 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(attnlang::span_tri(p.u_keep, kv_lo, kv_hi, 64, attnlang::Known{ix.batch}, 0), tri_lt(IvI::top(), IvI::point(24))), tri_ge(iv_int(iv_mul(to_float(IvI{q_lo, q_hi}), IvF::point(0.5f))), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 1244 "tables_decode.cu"
+#line 1272 "tables_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1802,7 +1830,8 @@ decode(const __nv_bfloat16* __restrict__ q,
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_bias, param_keep, param_shift};
   launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
-  wait_for_prerequisites();  // ... and this one reads nothing before the one before is done
+  if (leaves_idle(has_no_items(work_indptr))) return;
+  wait_for_prerequisites();  // ... and this one reads nothing else before the one before is done
 
   // Thread layout (see the symbols above).
   const int tx = threadIdx.x;
