@@ -17,9 +17,12 @@ SOFTCAP = attnlang.parse("variant softcap\nparam cap: float = 30.0\n"
 class _Geometry:
     """What AttentionOp reads of a BatchAttention, for tracing on meta tensors (no GPU)."""
 
-    def __init__(self, variant, head_dim):
+    def __init__(self, variant, head_dim, kv_dtype="bfloat16", num_kv_heads=2):
+        if kv_dtype == "float8_e4m3fn":
+            variant = attnlang.ir.with_kv_scales(variant)  # as compile_variant makes the module
         self.params = variant.params
-        self.shape = type("Shape", (), {"head_dim": head_dim})()
+        self.shape = type("Shape", (), {"head_dim": head_dim, "kv_dtype": kv_dtype,
+                                        "num_kv_heads": num_kv_heads})()
         self.module = type("Module", (), {"softmax": variant.softmax})()
 
 
@@ -85,6 +88,54 @@ def test_bad_params_are_rejected_by_name():
         op(q, k, v, {"cap": True})
 
 
+def _traced_call(op, fn, *inputs):
+    """The operator's node in the graph torch.compile traces of fn(*inputs)."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch.compile(fn, fullgraph=True, backend=backend)(*inputs)
+    ops = (torch.ops.attnlang.attention, torch.ops.attnlang.attention.default)
+    (call,) = [n for n in graphs[0].graph.nodes if n.target in ops]
+    return call
+
+
+def test_fp8_scales_follow_the_params():
+    # Tensor scales are graph inputs after the tensor params; float scales graph constants
+    # after the scalar params; a float beside a tensor becomes a tensor.
+    op = AttentionOp(_Geometry(SOFTCAP, 64, "float8_e4m3fn"))
+    assert op.tensor_names == () and op.scalar_names == ("cap",)
+    q, k, _ = _meta_inputs()
+    k8 = torch.empty(k.shape, dtype=torch.float8_e4m3fn, device="meta")
+    ks, vs = torch.empty(2, device="meta"), torch.empty(2, device="meta")
+    call = _traced_call(op, lambda q, k, v, ks, vs: op(q, k, v, k_scale=ks, v_scale=vs),
+                        q, k8, k8, ks, vs)
+    assert len(call.args[4]) == 2 and list(call.args[5]) == [30.0]
+    call = _traced_call(op, lambda q, k, v: op(q, k, v, {"cap": 5.0}, k_scale=0.5, v_scale=2),
+                        q, k8, k8)
+    assert list(call.args[4]) == [] and list(call.args[5]) == [5.0, 0.5, 2.0]
+    call = _traced_call(op, lambda q, k, v, ks: op(q, k, v, k_scale=ks, v_scale=0.25),
+                        q, k8, k8, ks)
+    assert len(call.args[4]) == 2 and list(call.args[5]) == [30.0]
+
+
+def test_fp8_scales_are_checked():
+    q, k, v = _meta_inputs()
+    fp8 = AttentionOp(_Geometry(SOFTCAP, 64, "float8_e4m3fn"))
+    with pytest.raises(TypeError, match="missing v_scale"):
+        fp8(q, k, v, k_scale=1.0)
+    with pytest.raises(TypeError, match="pass k_scale as the operator's k_scale= argument"):
+        fp8(q, k, v, {"k_scale": torch.empty(2, device="meta")}, v_scale=1.0)
+    with pytest.raises(TypeError, match="v_scale must be a float or a float32 CUDA tensor, got "
+                                        "bool"):
+        fp8(q, k, v, k_scale=1.0, v_scale=True)
+    bf16 = AttentionOp(_Geometry(SOFTCAP, 64))
+    with pytest.raises(TypeError, match="for an fp8 KV cache"):
+        bf16(q, k, v, k_scale=1.0, v_scale=1.0)
+
+
 # ---------------------------------------------------------------------------- GPU
 
 
@@ -135,3 +186,54 @@ def test_compiled_equals_eager_and_graph_replays_after_replan():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static_out, attn.run(q2, (k, v), {"cap": 20.0}))
+
+
+@pytest.mark.gpu
+def test_fp8_cache_through_the_operator():
+    # Compiled, with tensor and with float scales: equal to run(); within bf16's tolerance
+    # of attention over the dequantised cache; a CUDA graph replays new scale values.
+    rng = np.random.default_rng(2)
+    layout, q, k, v = _batch(rng)
+    attn = attnlang.BatchAttention(SOFTCAP, 8, 2, 128, "bfloat16", 16, kv_dtype="fp8")
+    attn.plan(*layout)
+    op = AttentionOp(attn)
+    ks = torch.tensor([0.02, 0.03], device="cuda")
+    vs = torch.tensor([0.02, 0.05], device="cuda")  # randn / scale within e4m3's 448
+    k8 = (k / ks[None, None, :, None]).to(torch.float8_e4m3fn)
+    v8 = (v / vs[None, None, :, None]).to(torch.float8_e4m3fn)
+    want = attn.run(q, (k8, v8), {"cap": 20.0}, k_scale=ks, v_scale=vs)
+    compiled = torch.compile(lambda q, k, v, ks, vs: op(q, k, v, {"cap": 20.0}, k_scale=ks,
+                                                         v_scale=vs), fullgraph=True)
+    assert torch.equal(compiled(q, k8, v8, ks, vs), want)
+    floats = torch.compile(lambda q, k, v: op(q, k, v, {"cap": 20.0}, k_scale=0.02,
+                                              v_scale=0.05), fullgraph=True)
+    assert torch.equal(floats(q, k8, v8),
+                       attn.run(q, (k8, v8), {"cap": 20.0}, k_scale=0.02, v_scale=0.05))
+
+    # Against the reference over the dequantised cache.
+    from attnlang.reference import attention_paged
+
+    seen = [(x.float() * scale[None, None, :, None]).cpu().numpy()
+            for x, scale in ((k8, ks), (v8, vs))]
+    ref, _ = attention_paged(SOFTCAP, q.float().cpu().numpy(), *seen, *layout,
+                             params={"cap": 20.0})
+    got = want.float().cpu().numpy()
+    err = float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
+    assert err < 1e-2, f"relative L2 error {err:.2e}"
+
+    # Captured with the scale tensors; new values written into them reach the replay.
+    graph = torch.cuda.CUDAGraph()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        op(q, k8, v8, {"cap": 20.0}, k_scale=ks, v_scale=vs)  # warm-up outside the capture
+        with torch.cuda.graph(graph, stream=side):
+            static_out = op(q, k8, v8, {"cap": 20.0}, k_scale=ks, v_scale=vs)
+    torch.cuda.current_stream().wait_stream(side)
+    ks.mul_(2.0)
+    vs.mul_(0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, attn.run(q, (k8, v8), {"cap": 20.0}, k_scale=ks,
+                                            v_scale=vs))
+    assert not torch.equal(static_out, want)

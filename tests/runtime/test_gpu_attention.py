@@ -24,6 +24,7 @@ import pytest
 import attnlang
 from attnlang import ir
 from attnlang.codegen.config import launch_config
+from attnlang.fp8 import to_e4m3
 from attnlang.reference import attention_paged
 from attnlang.runtime.arrays import bfloat16_bits_to_float, float_to_bfloat16_bits, round_to_dtype
 from attnlang.runtime.merge import merge_states_reference
@@ -493,6 +494,57 @@ def test_cuda_graph_replay_after_replan(cp):
     ref, _ = attention_paged(variant, q_b, pool.k_cache, pool.v_cache, *table_b,
                              params={"cap": cap})
     assert rel_l2(replayed.astype(np.float32), ref) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("kv_dtype", [None, "fp8"])
+def test_merge_waits_through_empty_launches(cp, kv_dtype):
+    """Decode steps split across CTAs, in a graph that also holds the launches of kernels this
+    plan leaves empty (the prefill kernel's; with an fp8 cache the conversion and the prefill
+    over the copy too), between the decode kernel and the merge. Their idle CTAs return
+    before waiting (common.cuh's leaves_idle) but for each grid's first, so the merge still
+    reads the partial states of this replay's decode: replays with two q's in turn each give
+    the plain run's output of that q, bit for bit."""
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    hq, hkv, d, ps = 32, 8, 128, 16
+    rng = np.random.default_rng(8)
+    qo, kv = np.array([1, 1]), np.array([30000, 9000])
+    batch = make_batch(rng, qo, kv, hq, hkv, d, ps, "bfloat16")
+    extra = {}
+    if kv_dtype == "fp8":  # e4m3 bytes, scales as device arrays
+        kc = cp.asarray(to_e4m3(batch.k_cache * 20))
+        vc = cp.asarray(to_e4m3(batch.v_cache * 20))
+        scale = cp.full(hkv, 0.05, np.float32)
+        extra = dict(k_scale=scale, v_scale=scale)
+    else:
+        kc, vc = (to_device(cp, x, "bfloat16") for x in (batch.k_cache, batch.v_cache))
+    # a graph of this BatchAttention holds every kernel: prompts of 4096 queries reach the
+    # prefill kernel and, with an fp8 cache, the converted copy
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, "bf16", ps, kv_dtype=kv_dtype,
+                                   max_batch_size=4, max_total_q=4096)
+    plan = attn.plan(*batch.table)
+    assert plan.merge_count > 0 and plan.prefill.num_work_items == 0
+    held = [kind for kind, one in attn._launches.items() if one in attn._capture_launches]
+    assert held == (["decode", "prefill", "merge"] if kv_dtype is None else
+                    ["decode", "prefill", "dequantize", "prefill_dequantized", "merge"])
+    qs = [to_device(cp, round_to_dtype(rng.standard_normal((2, hq, d)), "bfloat16"),
+                    "bfloat16") for _ in range(2)]
+    plain = [cp.asnumpy(attn.run(q, (kc, vc), **extra)).copy() for q in qs]
+    assert not np.array_equal(plain[0], plain[1])
+    q_buf, nan = cp.empty_like(qs[0]), poisoned(cp, (2, hq, d), "bfloat16")
+    out = nan.copy()
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        q_buf[...] = qs[0]
+        attn.run(q_buf, (kc, vc), out=out, **extra)  # warm up
+        stream.begin_capture()
+        attn.run(q_buf, (kc, vc), out=out, **extra)
+        graph = stream.end_capture()
+        for i in [0, 1] * 8:
+            q_buf[...] = qs[i]
+            out[...] = nan
+            graph.launch(stream)
+            stream.synchronize()
+            assert np.array_equal(cp.asnumpy(out), plain[i]), f"replay of q{i}"
 
 
 # ---------------------------------------------------------------------------- determinism
