@@ -518,9 +518,10 @@ def test_merge_waits_through_empty_launches(cp, kv_dtype):
     else:
         kc, vc = (to_device(cp, x, "bfloat16") for x in (batch.k_cache, batch.v_cache))
     # a graph of this BatchAttention holds every kernel: prompts of 4096 queries reach the
-    # prefill kernel and, with an fp8 cache, the converted copy
+    # prefill kernel and, with an fp8 cache, the converted copy; the steps' 4 rows go to the
+    # decode kernel (a bf16 cache's default sends them to the prefill kernel)
     attn = attnlang.BatchAttention(variant, hq, hkv, d, "bf16", ps, kv_dtype=kv_dtype,
-                                   max_batch_size=4, max_total_q=4096)
+                                   max_batch_size=4, max_total_q=4096, prefill_min_rows=4)
     plan = attn.plan(*batch.table)
     assert plan.merge_count > 0 and plan.prefill.num_work_items == 0
     held = [kind for kind, one in attn._launches.items() if one in attn._capture_launches]
