@@ -236,8 +236,7 @@ def main() -> int:
                     timed.fns[0]()
                     torch.cuda.synchronize()
                     first = time.perf_counter() - t0_fi
-                    C.log(f"  flashinfer {kv}: plan and first call {first:.1f} s (a module "
-                          "not precompiled JIT-compiles here)")
+                    C.log(f"  flashinfer {kv}: plan and first call {first:.1f} s")
                     err = C.rel_l2(timed.outs[0][-len(ref_bf16):],
                                    ref_bf16 if kv == "bf16" else ref_fp8)
                     t = float(timed.bench(timed.fns, warmup=warmup, reps=reps,
