@@ -113,10 +113,10 @@ class AttentionOp:
     ``op(q, k_cache, v_cache, params=None, *, sm_scale=None, return_lse=False, k_scale=None,
     v_scale=None)`` takes what BatchAttention.run takes (torch tensors; params by name,
     scalars as Python numbers, tensor params as CUDA tensors; an fp8 cache's k_scale and
-    v_scale as floats or float32 CUDA tensors [num_kv_heads]) and returns out, or (out, lse)
-    with return_lse=True (lse None for softmax-off variants). Under torch.compile the scalar
-    params, float scales and sm_scale are graph constants (a new value recompiles); tensor
-    params and tensor scales are graph inputs.
+    v_scale as floats or float32 CUDA tensors [num_kv_heads] or of one element) and returns
+    out, or (out, lse) with return_lse=True (lse None for softmax-off variants). Under
+    torch.compile the scalar params, float scales and sm_scale are graph constants (a new
+    value recompiles); tensor params and tensor scales are graph inputs.
 
     Example::
 

@@ -147,8 +147,9 @@ class BatchAttention:
             dequantised after each copy (in registers by the tensor-core decode kernel, in
             shared memory elsewhere), value = e4m3 * scale of its KV head, before any hook
             sees it: run() then takes k_scale and v_scale, each a
-            float (one scale for the tensor) or a float32 device array [num_kv_heads], and q,
-            out stay in dtype. See the README's "fp8 KV cache".
+            float (one scale for the tensor) or a float32 device array [num_kv_heads] (or of
+            one element, one scale for the tensor read when the kernels run), and q, out stay
+            in dtype. See the README's "fp8 KV cache".
         cascade: also build the cascade kernel, so plan() can attend a prefix that several
             requests' page lists share once for all their queries (plan()'s `cascade`;
             the README's "Shared-prefix cascades"). Refused for a variant whose key or value
@@ -475,7 +476,8 @@ class BatchAttention:
         variant's run-time params by name; out (optional) like q (head_dim_vo wide); lse
         (optional) float32 [total_q, num_qo_heads]; sm_scale default 1/sqrt(head_dim);
         k_scale, v_scale (an fp8 cache's, required there and refused elsewhere): a float or
-        a float32 device array [num_kv_heads], the factor of each KV head's values. Inputs
+        a float32 device array [num_kv_heads], the factor of each KV head's values (one
+        element: every head's, copied per call into a buffer the kernels read). Inputs
         are CuPy arrays or CUDA torch tensors (bf16 CuPy data without ml_dtypes: uint16
         bits); outputs come back in the same type, on the caller's current stream (torch's for
         torch inputs).

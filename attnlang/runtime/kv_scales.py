@@ -2,7 +2,10 @@
 read them: the module's last two params, float32 [num_kv_heads] device arrays
 (`ir.KV_SCALE_PARAMS`). A float scale becomes such an array once per distinct value and is
 kept for the BatchAttention's life, so a CUDA graph captured after a call with that value
-holds a buffer that never moves."""
+holds a buffer that never moves. A one-element device array (a per-tensor scale kept on the
+device, as serving engines keep theirs) is copied into a buffer [num_kv_heads] of the
+BatchAttention's on the call's stream, before the kernels: they see its value at the time
+they run, and a CUDA graph replays the copy."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ import numpy as np
 
 from attnlang import ir
 from attnlang.codegen.config import KV_FP8
-from attnlang.runtime.arrays import current_stream_ptr, is_torch_tensor
+from attnlang.runtime.arrays import current_stream_ptr, describe, is_device_array, is_torch_tensor
 from attnlang.runtime.validate import AttentionShape
 
 __all__ = ["KvScales"]
@@ -25,6 +28,7 @@ class KvScales:
     def __init__(self, shape: AttentionShape, device: int):
         self.shape, self.device = shape, device
         self._arrays: dict[float, Any] = {}  # float scale -> its device array
+        self._per_head: dict[str, Any] = {}  # name -> the buffer a one-element scale fills
 
     def merge(self, params: Mapping[str, Any] | None, k_scale: Any, v_scale: Any,
               q: Any) -> dict:
@@ -38,8 +42,8 @@ class KvScales:
         if k_scale is None or v_scale is None:
             missing = "k_scale" if k_scale is None else "v_scale"
             raise TypeError(f"an fp8 KV cache needs k_scale and v_scale (missing {missing}): a "
-                            "float, or a float32 device array [num_kv_heads]; 1.0 for values "
-                            "stored unscaled")
+                            "float, or a float32 device array [num_kv_heads] or of one element; "
+                            "1.0 for values stored unscaled")
         params = {} if params is None else params
         if not isinstance(params, Mapping):
             raise TypeError(f"params must be a dict of the variant's params, got "
@@ -49,9 +53,39 @@ class KvScales:
             raise TypeError(f"pass {clash[0]} as run()'s {clash[0]}= argument, not in params")
         merged = dict(params)
         for name, value in zip(ir.KV_SCALE_PARAMS, (k_scale, v_scale), strict=True):
-            is_number = isinstance(value, (int, float, np.integer, np.floating))
-            merged[name] = self._array(name, value, q) if is_number else value
+            if isinstance(value, (int, float, np.integer, np.floating)):
+                value = self._array(name, value, q)
+            elif is_device_array(value) and self.shape.num_kv_heads > 1:
+                info = describe(value, name)
+                if int(np.prod(info.shape)) == 1:
+                    value = self._broadcast(name, info, q)
+            merged[name] = value
         return merged
+
+    def _broadcast(self, name: str, info: Any, q: Any):
+        """The buffer [num_kv_heads] that a one-element float32 device scale is copied into,
+        on the call's stream (a small kernel per call)."""
+        import cupy
+
+        if info.dtype != "float32":
+            raise TypeError(f"{name} must be float32, got a {info.dtype} device array")
+        if info.device != self.device:
+            raise ValueError(f"{name} is on device {info.device}, the cache on {self.device}")
+        stream = current_stream_ptr(is_torch_tensor(q), self.device)
+        buffer = self._per_head.get(name)
+        with cupy.cuda.Device(self.device):
+            if buffer is None:
+                if cupy.cuda.runtime.streamIsCapturing(stream):
+                    raise ValueError(
+                        f"{name} is a one-element device array, whose buffer [num_kv_heads] is "
+                        "made at the first call: run once with it before capturing a CUDA graph")
+                buffer = cupy.empty(self.shape.num_kv_heads, dtype=np.float32)
+                self._per_head[name] = buffer
+            source = cupy.ndarray((1,), np.float32, cupy.cuda.MemoryPointer(
+                cupy.cuda.UnownedMemory(info.ptr, 4, info.obj, self.device), 0))
+            with cupy.cuda.ExternalStream(stream):
+                buffer[...] = source
+        return buffer
 
     def _array(self, name: str, value: Any, q: Any):
         """The device array [num_kv_heads] of a float scale (one per distinct value: a model

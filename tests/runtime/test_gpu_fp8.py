@@ -425,6 +425,48 @@ def test_fp8_float_scales(cp, error_log):
                 where=f"fp8 float scales g{group}", scales="float")
 
 
+def test_fp8_one_element_device_scales(cp):
+    # A per-tensor scale kept on the device (shape () or (1,), CuPy or torch) is read when
+    # the kernels run: bit for bit the per-head array's result, new values in a graph replay.
+    variant = attnlang.load(VARIANT_PATHS["causal"])
+    rng = np.random.default_rng(74)
+    hq, hkv, d, page = 8, 2, 128, 16
+    attn = attnlang.BatchAttention(variant, hq, hkv, d, kv_dtype="fp8", max_batch_size=4,
+                                   max_total_q=64)
+    k_bits, v_bits, kc, vc, q_host, q, ks, vs, out = graph_inputs(cp, rng, 64, 4, hq, hkv, d,
+                                                                  page)
+    attn.plan(np.arange(5), np.array([0, 20, 40, 50, 64]), rng.permutation(64),
+              np.array([16, 7, 16, 1]))
+
+    def per_head(k_s, v_s):
+        return cp.asnumpy(attn.run(q, (kc, vc), k_scale=cp.full(hkv, k_s, np.float32),
+                                   v_scale=cp.full(hkv, v_s, np.float32)))
+
+    want = per_head(0.02, 0.03)
+    one_k, one_v = cp.full((1,), 0.02, np.float32), cp.full((), 0.03, np.float32)
+    assert np.array_equal(cp.asnumpy(attn.run(q, (kc, vc), k_scale=one_k, v_scale=one_v)), want)
+    torch = pytest.importorskip("torch")
+    tq = torch.from_dlpack(q).view(torch.bfloat16)
+    k8, v8 = (torch.from_dlpack(x).view(torch.float8_e4m3fn) for x in (kc, vc))
+    got = attn.run(tq, (k8, v8), k_scale=torch.tensor(0.02, device="cuda"),
+                   v_scale=torch.tensor([0.03], device="cuda"))
+    assert np.array_equal(got.view(torch.uint16).cpu().numpy(), want)
+
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        attn.run(q, (kc, vc), out=out, k_scale=one_k, v_scale=one_v)  # warm up
+        stream.begin_capture()
+        attn.run(q, (kc, vc), out=out, k_scale=one_k, v_scale=one_v)
+        graph = stream.end_capture()
+        one_k.fill(0.05)
+        one_v.fill(0.01)
+        graph.launch(stream)
+        stream.synchronize()
+    assert np.array_equal(cp.asnumpy(out), per_head(0.05, 0.01))
+    with pytest.raises(TypeError, match="k_scale must be float32, got a float64"):
+        attn.run(q, (kc, vc), k_scale=cp.ones(1), v_scale=one_v)
+
+
 def test_fp8_errors(cp):
     variant = attnlang.load(VARIANT_PATHS["causal"])
     attn = attnlang.BatchAttention(variant, 4, 2, 64, kv_dtype="fp8", max_batch_size=2,
