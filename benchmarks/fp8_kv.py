@@ -23,9 +23,9 @@ FlashInfer's prefill: plain calls; decode inputs rotated so a cycle exceeds the 
   Its fp8 modules JIT-compile with nvcc on first use (the log gives the time), or the row says
   why one is missing.
 
-Figures: median time; GB/s = the K and V bytes the batch must read (1 byte per element for
-fp8, 2 for bf16) / time, and that as a fraction of the copy bandwidth measured in the same
-run; fp8 / bf16 = bf16 time / fp8 time (the tokens/s gain); attnlang / FlashInfer likewise.
+Figures: median time; for decode GB/s = the K and V bytes the batch must read (1 byte per
+element for fp8, 2 for bf16) / time, and that as a fraction of the copy bandwidth measured in
+the same run; fp8 / bf16 = bf16 time / fp8 time (the tokens/s gain); attnlang / FlashInfer likewise.
 Outputs are checked first against a float32 torch evaluation of the dequantised cache (rel.
 L2 error).
 
@@ -249,7 +249,7 @@ def main() -> int:
         for kv, width in (("bf16", 2), ("fp8", 1)):
             for who in ("al", "fi"):
                 ms = row.get(f"{who}_{kv}_ms")
-                if ms:
+                if ms and not prefill:  # a prompt's time is its arithmetic, not its bytes
                     gbs = bf16_bytes / 2 * width / (ms * 1e-3)
                     row[f"{who}_{kv}_gbs"] = gbs / 1e9
                     row[f"{who}_{kv}_frac"] = gbs / copy_bw

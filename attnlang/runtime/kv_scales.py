@@ -55,10 +55,8 @@ class KvScales:
         for name, value in zip(ir.KV_SCALE_PARAMS, (k_scale, v_scale), strict=True):
             if isinstance(value, (int, float, np.integer, np.floating)):
                 value = self._array(name, value, q)
-            elif is_device_array(value) and self.shape.num_kv_heads > 1:
-                info = describe(value, name)
-                if int(np.prod(info.shape)) == 1:
-                    value = self._broadcast(name, info, q)
+            elif self.shape.num_kv_heads > 1 and _one_element(value):
+                value = self._broadcast(name, describe(value, name), q)
             merged[name] = value
         return merged
 
@@ -108,3 +106,9 @@ class KvScales:
                 cupy.cuda.get_current_stream().synchronize()
             self._arrays[value] = array
         return array
+
+
+def _one_element(x: Any) -> bool:
+    """Whether x is a device array of one element (cheap: run() asks on every call)."""
+    n = x.numel() if is_torch_tensor(x) else getattr(x, "size", None)
+    return n == 1 and is_device_array(x)
