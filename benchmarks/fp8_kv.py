@@ -1,5 +1,5 @@
-"""An fp8 (e4m3) KV cache beside a bf16 one and beside FlashInfer's fp8 decode, in one run
-(issue 13, part 2).
+"""An fp8 (e4m3) KV cache beside a bf16 one and beside FlashInfer's fp8 decode and prefill,
+in one run (issue 13, part 2).
 
 Decode workloads (batch, kv_len), as benchmarks/decode.py's uniform ones: (1, 32768),
 (16, 4096), (64, 2048), (128, 2048), (32, 8192); bf16 q and out, 32 query / 8 KV heads
