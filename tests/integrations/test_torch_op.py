@@ -121,6 +121,38 @@ def test_fp8_scales_follow_the_params():
     assert len(call.args[4]) == 2 and list(call.args[5]) == [30.0]
 
 
+def test_the_operator_hands_run_its_scales():
+    # What the operator's implementation passes run(): the params by name, the scales as
+    # k_scale= / v_scale= (tensors or floats, as the caller gave them), None without them.
+    from attnlang.integrations import torch as bridge
+
+    calls = []
+
+    class Recorder(_Geometry):
+        def run(self, q, kv, params, **kwargs):
+            calls.append((params, kwargs))
+            return q
+
+    variant = attnlang.parse("variant t\nparam slopes: float[heads]\nparam cap: float\n"
+                             "logits = cap * tanh(logits / cap) + slopes[head]\nmask = causal")
+    fp8 = Recorder(variant, 64, "float8_e4m3fn")
+    op = AttentionOp(fp8)
+    q, k, v = _meta_inputs()
+    slopes, ks, vs = (torch.empty(8, device="meta"), torch.empty(2, device="meta"),
+                      torch.empty(2, device="meta"))
+    bridge._call(op.handle, q, k, v, [slopes, ks, vs], [3.0], 0.125, False)
+    bridge._call(op.handle, q, k, v, [slopes], [3.0, 0.5, 0.25], 0.125, False)
+    (p1, kw1), (p2, kw2) = calls
+    assert p1 == p2 == {"slopes": slopes, "cap": 3.0}
+    assert kw1["k_scale"] is ks and kw1["v_scale"] is vs
+    assert (kw2["k_scale"], kw2["v_scale"]) == (0.5, 0.25)
+    bf16 = Recorder(variant, 64)
+    AttentionOp(bf16)
+    bridge._call(bf16._torch_op.handle, q, k, v, [slopes], [3.0], 0.125, True)
+    assert calls[-1][1] == {"sm_scale": 0.125, "return_lse": True, "k_scale": None,
+                            "v_scale": None}
+
+
 def test_fp8_scales_are_checked():
     q, k, v = _meta_inputs()
     fp8 = AttentionOp(_Geometry(SOFTCAP, 64, "float8_e4m3fn"))
