@@ -28,7 +28,9 @@ class KvScales:
     def __init__(self, shape: AttentionShape, device: int):
         self.shape, self.device = shape, device
         self._arrays: dict[float, Any] = {}  # float scale -> its device array
-        self._per_head: dict[str, Any] = {}  # name -> the buffer a one-element scale fills
+        # (buffer [2 n], its k and v views by name, the copy kernel): made at the first call
+        # with a one-element scale
+        self._per_head: tuple | None = None
 
     def merge(self, params: Mapping[str, Any] | None, k_scale: Any, v_scale: Any,
               q: Any) -> dict:
@@ -52,38 +54,52 @@ class KvScales:
         if clash:
             raise TypeError(f"pass {clash[0]} as run()'s {clash[0]}= argument, not in params")
         merged = dict(params)
+        sources: dict[str, int] = {}  # one-element device scales: name -> address
         for name, value in zip(ir.KV_SCALE_PARAMS, (k_scale, v_scale), strict=True):
             if isinstance(value, (int, float, np.integer, np.floating)):
                 value = self._array(name, value, q)
             elif self.shape.num_kv_heads > 1 and _one_element(value):
-                value = self._broadcast(name, describe(value, name), q)
+                sources[name] = self._address(name, describe(value, name))
+                value = None  # its buffer, below
             merged[name] = value
+        if sources:
+            buffers = self._broadcast(sources, q)
+            for name in sources:
+                merged[name] = buffers[name]
         return merged
 
-    def _broadcast(self, name: str, info: Any, q: Any):
-        """The buffer [num_kv_heads] that a one-element float32 device scale is copied into,
-        on the call's stream (a small kernel per call)."""
-        import cupy
-
+    def _address(self, name: str, info: Any) -> int:
+        """A one-element scale's device address, checked."""
         if info.dtype != "float32":
             raise TypeError(f"{name} must be float32, got a {info.dtype} device array")
         if info.device != self.device:
             raise ValueError(f"{name} is on device {info.device}, the cache on {self.device}")
+        return int(info.ptr)
+
+    def _broadcast(self, sources: dict[str, int], q: Any) -> dict[str, Any]:
+        """Copies the one-element scales at `sources` to every KV head of the BatchAttention's
+        buffer, on the call's stream (one small kernel, kernels_templates/kv_scales.cu), and
+        returns the buffer's [num_kv_heads] views by name."""
+        import cupy
+
+        n = self.shape.num_kv_heads
         stream = current_stream_ptr(is_torch_tensor(q), self.device)
-        buffer = self._per_head.get(name)
         with cupy.cuda.Device(self.device):
-            if buffer is None:
+            if self._per_head is None:
                 if cupy.cuda.runtime.streamIsCapturing(stream):
                     raise ValueError(
-                        f"{name} is a one-element device array, whose buffer [num_kv_heads] is "
-                        "made at the first call: run once with it before capturing a CUDA graph")
-                buffer = cupy.empty(self.shape.num_kv_heads, dtype=np.float32)
-                self._per_head[name] = buffer
-            source = cupy.ndarray((1,), np.float32, cupy.cuda.MemoryPointer(
-                cupy.cuda.UnownedMemory(info.ptr, 4, info.obj, self.device), 0))
-            with cupy.cuda.ExternalStream(stream):
-                buffer[...] = source
-        return buffer
+                        f"{next(iter(sources))} is a one-element device array, whose buffer "
+                        "[num_kv_heads] is made at the first call: run once with it before "
+                        "capturing a CUDA graph")
+                buffer = cupy.empty(2 * n, dtype=np.float32)
+                self._per_head = (buffer, {ir.KV_SCALE_PARAMS[0]: buffer[:n],
+                                           ir.KV_SCALE_PARAMS[1]: buffer[n:]},
+                                  _broadcast_kernel(self.device))
+            buffer, views, kernel = self._per_head
+            k, v = (np.uint64(sources.get(name, 0)) for name in ir.KV_SCALE_PARAMS)
+            kernel((1,), (32 * -(-n // 32),), (k, v, buffer, np.int32(n)),
+                   stream=_external_stream(stream))
+        return views
 
     def _array(self, name: str, value: Any, q: Any):
         """The device array [num_kv_heads] of a float scale (one per distinct value: a model
@@ -112,3 +128,38 @@ def _one_element(x: Any) -> bool:
     """Whether x is a device array of one element (cheap: run() asks on every call)."""
     n = x.numel() if is_torch_tensor(x) else getattr(x, "size", None)
     return n == 1 and is_device_array(x)
+
+
+_STREAMS: dict[int, Any] = {}  # raw stream handle -> its cupy.cuda.ExternalStream
+
+
+def _external_stream(ptr: int):
+    stream = _STREAMS.get(ptr)
+    if stream is None:
+        import cupy
+
+        stream = _STREAMS[ptr] = cupy.cuda.ExternalStream(ptr)
+    return stream
+
+
+_KERNELS: dict[int, Any] = {}  # device -> broadcast_kv_scales
+
+
+def _broadcast_kernel(device: int):
+    """kernels_templates/kv_scales.cu's kernel, compiled through attnlang's cache, loaded on
+    `device` (the current one)."""
+    kernel = _KERNELS.get(device)
+    if kernel is None:
+        import cupy
+
+        from attnlang.paths import templates_dir
+        from attnlang.runtime.compiler import compile_source
+        from attnlang.runtime.module import device_arch
+
+        arch = device_arch(device)
+        cubin = compile_source((templates_dir() / "kv_scales.cu").read_text(), arch,
+                               name="kv_scales.cu", label=f"kv_scales {arch}")
+        module = cupy.cuda.Module()
+        module.load(cubin.data)
+        kernel = _KERNELS[device] = (module, module.get_function("broadcast_kv_scales"))
+    return kernel[1]

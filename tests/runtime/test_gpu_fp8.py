@@ -445,6 +445,8 @@ def test_fp8_one_element_device_scales(cp):
     want = per_head(0.02, 0.03)
     one_k, one_v = cp.full((1,), 0.02, np.float32), cp.full((), 0.03, np.float32)
     assert np.array_equal(cp.asnumpy(attn.run(q, (kc, vc), k_scale=one_k, v_scale=one_v)), want)
+    assert np.array_equal(cp.asnumpy(attn.run(q, (kc, vc), k_scale=one_k,
+                                              v_scale=cp.full(hkv, 0.03, np.float32))), want)
     torch = pytest.importorskip("torch")
     tq = torch.from_dlpack(q).view(torch.bfloat16)
     k8, v8 = (torch.from_dlpack(x).view(torch.float8_e4m3fn) for x in (kc, vc))
