@@ -312,6 +312,15 @@ def host_int_array(x: Any, name: str) -> np.ndarray:
     return a.astype(np.int64, copy=False) if a.size else np.zeros(0, dtype=np.int64)
 
 
+def external_stream(ptr: int, device: int):
+    """A raw CUDA stream handle on `device` as a CuPy stream, for CuPy launches there."""
+    import cupy
+
+    with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for raw handles
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(ptr, device)
+
+
 def current_stream(infos: list[TensorInfo], device: int):
     """The caller's current stream as a CuPy stream: torch's current stream on `device` if any
     input is a torch tensor (torch.cuda.current_stream), else CuPy's current stream."""
@@ -323,9 +332,7 @@ def current_stream(infos: list[TensorInfo], device: int):
         from_external = getattr(cupy.cuda.Stream, "from_external", None)
         if from_external is not None and hasattr(s, "__cuda_stream__"):
             return from_external(s)
-        with warnings.catch_warnings():  # deprecated in CuPy 14 in favour of from_external
-            warnings.simplefilter("ignore", DeprecationWarning)
-            return cupy.cuda.ExternalStream(int(s.cuda_stream), device)
+        return external_stream(int(s.cuda_stream), device)
     return cupy.cuda.get_current_stream()
 
 

@@ -31,7 +31,6 @@ the kernels and their launches (`launches`) and an fp8 cache's scales (`kv_scale
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Mapping
 from functools import partial
 from typing import Any
@@ -46,6 +45,7 @@ from attnlang.runtime.arrays import (
     TensorInfo,
     current_stream_ptr,
     data_ptr,
+    external_stream,
     to_device_param,
 )
 from attnlang.runtime.calls import CheckedCall, describe_call, empty_lse, empty_out, misaligned
@@ -604,17 +604,12 @@ class BatchAttention:
         """Copy host tensor params (unmemoised calls only) to the device on `stream`. The
         uploads stay referenced until the launches are enqueued; CuPy's pool is
         stream-ordered, so their memory is reused only by later work of this stream."""
-        import cupy
-
         if capturing:
             name = values[host_params[0]][0].name
             raise ValueError(f"param {name!r} is a host array; while a CUDA graph is being "
                              "captured pass a device array (its copy cannot be captured)")
         values, uploaded = list(values), []
-        with warnings.catch_warnings():  # CuPy 14 deprecates ExternalStream for raw handles
-            warnings.simplefilter("ignore", DeprecationWarning)
-            external = cupy.cuda.ExternalStream(stream, self.device)
-        with external:
+        with external_stream(stream, self.device):
             for i in host_params:
                 spec, host = values[i]
                 array, info = to_device_param(host, host.dtype.name, self.device)

@@ -16,7 +16,13 @@ import numpy as np
 
 from attnlang import ir
 from attnlang.codegen.config import KV_FP8
-from attnlang.runtime.arrays import current_stream_ptr, describe, is_device_array, is_torch_tensor
+from attnlang.runtime.arrays import (
+    current_stream_ptr,
+    describe,
+    external_stream,
+    is_device_array,
+    is_torch_tensor,
+)
 from attnlang.runtime.validate import AttentionShape
 
 __all__ = ["KvScales"]
@@ -35,7 +41,8 @@ class KvScales:
     def merge(self, params: Mapping[str, Any] | None, k_scale: Any, v_scale: Any,
               q: Any) -> dict:
         """params with k_scale and v_scale added as the module's params (float[kv_heads]):
-        a float as a device array of that value per KV head, a device array as it is.
+        a float as a device array of that value per KV head, a one-element device array as
+        the buffer it is copied into (`_broadcast`), a device array [num_kv_heads] as it is.
         Raises TypeError where the cache is not fp8, a scale is missing, or params already
         hold one; ValueError for a new float value while a graph is being captured."""
         if self.shape.kv_dtype != KV_FP8:
@@ -82,6 +89,8 @@ class KvScales:
         returns the buffer's [num_kv_heads] views by name."""
         import cupy
 
+        from attnlang.runtime.module import template_module
+
         n = self.shape.num_kv_heads
         stream = current_stream_ptr(is_torch_tensor(q), self.device)
         with cupy.cuda.Device(self.device):
@@ -92,13 +101,14 @@ class KvScales:
                         "[num_kv_heads] is made at the first call: run once with it before "
                         "capturing a CUDA graph")
                 buffer = cupy.empty(2 * n, dtype=np.float32)
+                kernel = template_module("kv_scales.cu", self.device).get_function(
+                    "broadcast_kv_scales")
                 self._per_head = (buffer, {ir.KV_SCALE_PARAMS[0]: buffer[:n],
-                                           ir.KV_SCALE_PARAMS[1]: buffer[n:]},
-                                  _broadcast_kernel(self.device))
+                                           ir.KV_SCALE_PARAMS[1]: buffer[n:]}, kernel)
             buffer, views, kernel = self._per_head
             k, v = (np.uint64(sources.get(name, 0)) for name in ir.KV_SCALE_PARAMS)
             kernel((1,), (32 * -(-n // 32),), (k, v, buffer, np.int32(n)),
-                   stream=_external_stream(stream))
+                   stream=external_stream(stream, self.device))
         return views
 
     def _array(self, name: str, value: Any, q: Any):
@@ -129,37 +139,3 @@ def _one_element(x: Any) -> bool:
     n = x.numel() if is_torch_tensor(x) else getattr(x, "size", None)
     return n == 1 and is_device_array(x)
 
-
-_STREAMS: dict[int, Any] = {}  # raw stream handle -> its cupy.cuda.ExternalStream
-
-
-def _external_stream(ptr: int):
-    stream = _STREAMS.get(ptr)
-    if stream is None:
-        import cupy
-
-        stream = _STREAMS[ptr] = cupy.cuda.ExternalStream(ptr)
-    return stream
-
-
-_KERNELS: dict[int, Any] = {}  # device -> broadcast_kv_scales
-
-
-def _broadcast_kernel(device: int):
-    """kernels_templates/kv_scales.cu's kernel, compiled through attnlang's cache, loaded on
-    `device` (the current one)."""
-    kernel = _KERNELS.get(device)
-    if kernel is None:
-        import cupy
-
-        from attnlang.paths import templates_dir
-        from attnlang.runtime.compiler import compile_source
-        from attnlang.runtime.module import device_arch
-
-        arch = device_arch(device)
-        cubin = compile_source((templates_dir() / "kv_scales.cu").read_text(), arch,
-                               name="kv_scales.cu", label=f"kv_scales {arch}")
-        module = cupy.cuda.Module()
-        module.load(cubin.data)
-        kernel = _KERNELS[device] = (module, module.get_function("broadcast_kv_scales"))
-    return kernel[1]

@@ -10,7 +10,6 @@ current GPU.
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -23,9 +22,6 @@ _O_DTYPES = ("float16", "bfloat16", "float32")
 _WARPS_PER_BLOCK = 4
 _MAX_BLOCKS = 65535  # the kernel loops over rows past this
 
-# device ordinal -> cupy Module holding the three entries
-_LOADED: dict[int, Any] = {}
-_LOCK = threading.Lock()
 
 
 def validate_merge_inputs(o_a: Any, lse_a: Any, o_b: Any,
@@ -122,25 +118,6 @@ def merge_states_reference(o_a: np.ndarray, lse_a: np.ndarray, o_b: np.ndarray,
 
 
 def _function(device: int, dtype: str):
-    with _LOCK:
-        module = _LOADED.get(device)
-        if module is None:
-            module = _load(device)
-            _LOADED[device] = module
-    return module.get_function(f"merge_states_{dtype}")
+    from attnlang.runtime.module import template_module
 
-
-def _load(device: int):
-    import cupy
-
-    from attnlang.paths import templates_dir
-    from attnlang.runtime.compiler import compile_source
-    from attnlang.runtime.module import device_arch
-
-    source = (templates_dir() / "merge_states.cu").read_text()
-    arch = device_arch(device)  # plain sm_XY: this kernel needs nothing arch-specific
-    cubin = compile_source(source, arch, name="merge_states.cu", label=f"merge_states {arch}")
-    cupy.cuda.runtime.free(0)  # make the device's context current for the driver API
-    module = cupy.cuda.Module()
-    module.load(cubin.data)
-    return module
+    return template_module("merge_states.cu", device).get_function(f"merge_states_{dtype}")

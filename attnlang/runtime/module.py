@@ -469,6 +469,33 @@ def device_arch(device: int) -> str:
     return f"sm_{cupy.cuda.Device(device).compute_capability}"
 
 
+_TEMPLATE_MODULES: dict[tuple[str, int], Any] = {}  # (file, device) -> cupy Module
+_TEMPLATE_LOCK = threading.Lock()
+
+
+def template_module(filename: str, device: int):
+    """A self-contained kernel file of kernels_templates/ (merge_states.cu, kv_scales.cu),
+    compiled through the attnlang compiler (cached) for `device`'s plain sm_XY (they need
+    nothing arch-specific) and loaded there as a cupy Module, once per process."""
+    with _TEMPLATE_LOCK:
+        module = _TEMPLATE_MODULES.get((filename, device))
+        if module is None:
+            import cupy
+
+            from attnlang.paths import templates_dir
+            from attnlang.runtime.compiler import compile_source
+
+            arch = device_arch(device)
+            cubin = compile_source((templates_dir() / filename).read_text(), arch,
+                                   name=filename, label=f"{filename.removesuffix('.cu')} {arch}")
+            with cupy.cuda.Device(device):
+                cupy.cuda.runtime.free(0)  # make the device's context current for the driver
+                module = cupy.cuda.Module()
+                module.load(cubin.data)
+            _TEMPLATE_MODULES[(filename, device)] = module
+    return module
+
+
 def _entry_name(kind: str, names: list[str], label: str) -> str:
     """The extern "C" entry of a kind's cubin: named after the kind (docs/INTERNALS.md)."""
     if kind in names or not names:
