@@ -35,8 +35,10 @@ __all__ = ["MIN_READS_PER_KEY", "DequantPlan", "choose_pages", "plan_copy", "rea
 # Reads of each converted key by the plan's prefill items at and above which converting
 # first pays (benchmarks/NOTES.md, "fp8 prefill through a converted copy").
 MIN_READS_PER_KEY = 24
-# The dequantize kernel's CTAs (256 threads) per SM: a grid-stride loop over the chunks.
-_CTAS_PER_SM = 4
+# The dequantize kernel's CTAs (256 threads) per SM: a grid-stride loop over the chunks. In
+# a prompt's graph 8 ran S4096 0.4-1% faster than 4 (6 fit at once; the rest start as the
+# first finish) and S16384 the same (benchmarks/NOTES.md, thirtieth session).
+_CTAS_PER_SM = 8
 
 
 @dataclass(frozen=True)
