@@ -480,6 +480,20 @@ def copy_bandwidth(*, nbytes: int = 1 << 30, reps: int = 30) -> float:
     return 2 * nbytes / float(t)
 
 
+def read_floor(nbytes: int, *, nsets: int = 1, warmup: int = 5, reps: int = 30,
+               max_seconds: float | None = None) -> float:
+    """Median seconds a graph-replayed plain read of nbytes takes: torch's float32 sum over a
+    buffer of that size (a bandwidth-bound reduction), nsets buffers replayed in turn as
+    bench_graph rotates input sets. What a kernel that only streams a memory-bound row's bytes
+    reaches, its fixed costs included (H100 80GB HBM3: 34.1 us for 67 MB, 65% of the copy
+    bandwidth; 185 us for 537 MB, 96%: benchmarks/NOTES.md)."""
+    torch = torch_module()
+    bufs = [torch.rand(max(1, nbytes // 4), device=DEVICE) for _ in range(nsets)]
+    acc = torch.empty((), device=DEVICE)
+    fns = [lambda b=b: torch.sum(b, 0, out=acc) for b in bufs]
+    return float(bench_graph(fns, warmup=warmup, reps=reps, max_seconds=max_seconds))
+
+
 def matmul_flops(*, n: int = 8192, reps: int = 30) -> float:
     """bf16 n^3 matrix-product rate in FLOP/s (2 n^3 per product; ~759 TFLOP/s measured on
     the H100 test machine). Random inputs (zeros run faster than real data)."""

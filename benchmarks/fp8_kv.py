@@ -25,7 +25,10 @@ FlashInfer's prefill: plain calls; decode inputs rotated so a cycle exceeds the 
 
 Figures: median time; for decode GB/s = the K and V bytes the batch must read (1 byte per
 element for fp8, 2 for bf16) / time, and that as a fraction of the copy bandwidth measured in
-the same run; fp8 / bf16 = bf16 time / fp8 time (the tokens/s gain); attnlang / FlashInfer likewise.
+the same run; "read floor": a graph-replayed plain read of the fp8 bytes (torch's float32 sum
+over a buffer that size, `common.read_floor`), what a kernel that only streams them reaches
+with its fixed costs, and attnlang fp8's time as a fraction of it ("of floor": floor time /
+ours); fp8 / bf16 = bf16 time / fp8 time (the tokens/s gain); attnlang / FlashInfer likewise.
 Outputs are checked first against a float32 torch evaluation of the dequantised cache (rel.
 L2 error).
 
@@ -246,6 +249,11 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 - a peer's failure is a row note
                     row[f"fi_{kv}_note"] = C.short_error(e)
                     C.log(f"  flashinfer {kv} failed: {C.short_error(e)}")
+        if not prefill:  # the same bytes read by a plain kernel, as our fp8 rows rotate them
+            floor = C.read_floor(bf16_bytes // 2, nsets=nsets, warmup=warmup, reps=reps,
+                                 max_seconds=args.max_seconds)
+            row["read_floor_ms"] = floor * 1e3
+            C.log(f"  read floor (fp8 bytes): {floor * 1e3:.3f} ms")
         for kv, width in (("bf16", 2), ("fp8", 1)):
             for who in ("al", "fi"):
                 ms = row.get(f"{who}_{kv}_ms")
@@ -265,6 +273,9 @@ def main() -> int:
             workload=r["workload"], al_bf16=cell("al_bf16_ms"), al_fp8=cell("al_fp8_ms"),
             gbs=cell("al_fp8_gbs", ".0f"), frac=C.fmt(100 * r["al_fp8_frac"], ".0f") + "%"
             if r.get("al_fp8_frac") else "-",
+            floor=cell("read_floor_ms"),
+            of_floor=C.fmt(100 * r["read_floor_ms"] / r["al_fp8_ms"], ".0f") + "%"
+            if r.get("read_floor_ms") and r.get("al_fp8_ms") else "-",
             gain=C.fmt(C.ratio(r.get("al_bf16_ms"), r.get("al_fp8_ms")), ".2f"),
             pf=cell("al_fp8_pf_ms"), tile=cell("al_fp8_tile_ms"),
             fi_fp8=cell("fi_fp8_ms") + ("" if r.get("fi_fp8_err") is None
@@ -274,7 +285,8 @@ def main() -> int:
             err=f"{C.err_cell(r.get('al_fp8_err'))} / {C.err_cell(r.get('al_bf16_err'))}",
             note=r.get("fi_fp8_note", "")[:60]))
     cols = [("workload", "workload"), ("al_bf16", "al bf16 ms"), ("al_fp8", "al fp8 ms"),
-            ("gbs", "al fp8 GB/s"), ("frac", "of copy"), ("gain", "fp8/bf16"),
+            ("gbs", "al fp8 GB/s"), ("frac", "of copy"), ("floor", "read floor ms"),
+            ("of_floor", "of floor"), ("gain", "fp8/bf16"),
             ("pf", "al fp8 prefill-kernel ms"), ("tile", "al fp8 per tile ms"),
             ("fi_bf16", "FI bf16 ms"), ("fi_fp8", "FI fp8 ms (err, plain)"),
             ("vs_fi", "al/FI fp8"),
