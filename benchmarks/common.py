@@ -485,8 +485,8 @@ def read_floor(nbytes: int, *, nsets: int = 1, warmup: int = 5, reps: int = 30,
     """Median seconds a graph-replayed plain read of nbytes takes: torch's float32 sum over a
     buffer of that size (a bandwidth-bound reduction), nsets buffers replayed in turn as
     bench_graph rotates input sets. What a kernel that only streams a memory-bound row's bytes
-    reaches, its fixed costs included (H100 80GB HBM3: 34.1 us for 67 MB, 65% of the copy
-    bandwidth; 185 us for 537 MB, 96%: benchmarks/NOTES.md)."""
+    reaches, its fixed costs included (H100 80GB HBM3: 30-34 us for 67 MB, 65-74% of the copy
+    bandwidth; 182-186 us for 537 MB, 96%: benchmarks/NOTES.md)."""
     torch = torch_module()
     bufs = [torch.rand(max(1, nbytes // 4), device=DEVICE) for _ in range(nsets)]
     acc = torch.empty((), device=DEVICE)
