@@ -358,8 +358,14 @@ def _as_list(fn: Callable | Sequence[Callable]) -> list[Callable]:
     return list(fn) if isinstance(fn, (list, tuple)) else [fn]
 
 
+# bench(queue_ahead=True): the GPU sleeps this long per timed rep before the first, while the
+# host queues them all (a graph replay's host cost is ~10-30 us per rep with its events).
+QUEUE_AHEAD_SECONDS_PER_REP = 100e-6
+SLEEP_CYCLES_PER_SECOND = 2.0e9  # torch.cuda._sleep counts clock cycles (H100: ~1.98 GHz)
+
+
 def bench(fn: Callable | Sequence[Callable], *, warmup: int = 5, reps: int = 30,
-          max_seconds: float | None = None) -> Timing:
+          max_seconds: float | None = None, queue_ahead: bool = False) -> Timing:
     """Median seconds of one call of fn, timed with CUDA events on the current stream.
 
     fn: a zero-argument callable issuing GPU work on torch's current stream, or a list of
@@ -370,6 +376,11 @@ def bench(fn: Callable | Sequence[Callable], *, warmup: int = 5, reps: int = 30,
     as the GPU runs it, and a call whose host-side cost exceeds its GPU time shows that
     cost (which is what a plain call costs). Calls slower than 2 ms are synchronized one by
     one so the wall-clock bound holds.
+
+    queue_ahead: the timed reps are queued behind a GPU sleep long enough to hold them all,
+    so the GPU runs them back to back whatever the host loop costs: the figure is the GPU's
+    time (bench_graph: a replay's Python and event calls would otherwise bound graphs
+    shorter than them; benchmarks/NOTES.md, "The read floor, measured again").
     """
     torch = torch_module()
     fns = _as_list(fn)
@@ -391,6 +402,8 @@ def bench(fn: Callable | Sequence[Callable], *, warmup: int = 5, reps: int = 30,
     sync_each = est > 2e-3
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(want)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(want)]
+    if queue_ahead and not sync_each:
+        torch.cuda._sleep(int(want * QUEUE_AHEAD_SECONDS_PER_REP * SLEEP_CYCLES_PER_SECOND))
     done = 0
     for i in range(want):
         starts[i].record()
@@ -429,7 +442,8 @@ def capture_graph(fn: Callable, *, warmup_calls: int = 2, mode: str = "global"):
 def bench_graph(fn: Callable | Sequence[Callable], *, warmup: int = 5, reps: int = 30,
                 max_seconds: float | None = None) -> Timing:
     """Like bench(), over replays of CUDA graphs: one graph captured per callable (per input
-    set), replayed in turn. Raises if capture fails (the caller reports plain calls only)."""
+    set), replayed in turn, queued ahead (bench's queue_ahead: the GPU's time, not the host
+    loop's). Raises if capture fails (the caller reports plain calls only)."""
     note = ""
     try:
         graphs = [capture_graph(f) for f in _as_list(fn)]
@@ -439,7 +453,8 @@ def bench_graph(fn: Callable | Sequence[Callable], *, warmup: int = 5, reps: int
         note = f"captured in relaxed mode (global: {short_error(e, 60)})"
         torch_module().cuda.synchronize()
         graphs = [capture_graph(f, mode="relaxed") for f in _as_list(fn)]
-    timing = bench([g.replay for g in graphs], warmup=warmup, reps=reps, max_seconds=max_seconds)
+    timing = bench([g.replay for g in graphs], warmup=warmup, reps=reps, max_seconds=max_seconds,
+                   queue_ahead=True)
     timing.note = "; ".join(n for n in (note, timing.note) if n)
     timing.graphs = graphs  # keep them (and their memory pools) alive with the result
     return timing
@@ -480,18 +495,67 @@ def copy_bandwidth(*, nbytes: int = 1 << 30, reps: int = 30) -> float:
     return 2 * nbytes / float(t)
 
 
+# The read floor's kernel: block b reads the 64 KB [b * 64 KB, (b + 1) * 64 KB), each thread
+# 16 loads of 16 bytes issued before the first is used (volatile asm and launch bounds of one
+# block per SM, which lift ptxas's register target, keep them together; the xor and the store
+# keep ptxas from dropping them). One-shot blocks let the
+# hardware hand more of them to the SMs that drain faster, as a streaming read should. On the
+# H100 this reads 67 MB in 24-27 us (88-93% of the copy bandwidth) where torch's float32 sum
+# took 31-34 us, and 537 MB at 103% (benchmarks/NOTES.md, "The read floor, measured again").
+_READ_THREADS, _READ_LOADS = 256, 16
+_READ_BLOCK_BYTES = _READ_THREADS * _READ_LOADS * 16
+_READ_SOURCE = r"""
+extern "C" __global__ void __launch_bounds__(256, 1) read_bytes(const uint4* __restrict__ src,
+                                                                unsigned* sink) {
+  const long long first = (long long)blockIdx.x * 256 * 16 + threadIdx.x;
+  uint4 v[16];
+#pragma unroll
+  for (int u = 0; u < 16; ++u)
+    asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
+                 : "l"(src + first + u * 256));
+  unsigned acc = 0;
+#pragma unroll
+  for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; nobody reads the sink
+}
+"""
+
+
+def _cupy_stream(torch):
+    """torch's current stream as a CuPy stream (CuPy 14 deprecates ExternalStream)."""
+    import cupy
+
+    current = torch.cuda.current_stream()
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None and hasattr(current, "__cuda_stream__"):
+        return from_external(current)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(current.cuda_stream, current.device.index)
+
+
 def read_floor(nbytes: int, *, nsets: int = 1, warmup: int = 5, reps: int = 30,
                max_seconds: float | None = None) -> float:
-    """Median seconds a graph-replayed plain read of nbytes takes: torch's float32 sum over a
-    buffer of that size (a bandwidth-bound reduction), nsets buffers replayed in turn as
-    bench_graph rotates input sets. What a kernel that only streams a memory-bound row's bytes
-    reaches, its fixed costs included (H100 80GB HBM3: 30-34 us for 67 MB, 65-74% of the copy
-    bandwidth; 182-186 us for 537 MB, 96%: benchmarks/NOTES.md)."""
+    """Median seconds a graph-replayed kernel that only reads nbytes takes (`_READ_SOURCE`:
+    every byte read once, 64 KB per one-shot block, nbytes rounded up to whole blocks), nsets
+    buffers replayed in turn as bench_graph rotates input sets. What a kernel that only
+    streams a memory-bound row's bytes reaches, its launch included: the floor for that row."""
+    import cupy
+
     torch = torch_module()
-    bufs = [torch.rand(max(1, nbytes // 4), device=DEVICE) for _ in range(nsets)]
-    acc = torch.empty((), device=DEVICE)
-    fns = [lambda b=b: torch.sum(b, 0, out=acc) for b in bufs]
-    return float(bench_graph(fns, warmup=warmup, reps=reps, max_seconds=max_seconds))
+    kernel = cupy.RawKernel(_READ_SOURCE, "read_bytes")
+    blocks = max(1, math.ceil(nbytes / _READ_BLOCK_BYTES))
+    bufs = [torch.randint(0, 256, (blocks * _READ_BLOCK_BYTES,), dtype=torch.uint8, device=DEVICE)
+            for _ in range(nsets)]
+    sink = cupy.zeros(1, dtype=cupy.uint32)
+
+    def reader(buf):
+        src = cupy.asarray(buf)
+        return lambda: kernel((blocks,), (_READ_THREADS,), (src, sink), stream=_cupy_stream(torch))
+
+    return float(bench_graph([reader(b) for b in bufs], warmup=warmup, reps=reps,
+                             max_seconds=max_seconds))
 
 
 def matmul_flops(*, n: int = 8192, reps: int = 30) -> float:

@@ -25,10 +25,11 @@ FlashInfer's prefill: plain calls; decode inputs rotated so a cycle exceeds the 
 
 Figures: median time; for decode GB/s = the K and V bytes the batch must read (1 byte per
 element for fp8, 2 for bf16) / time, and that as a fraction of the copy bandwidth measured in
-the same run; "read floor": a graph-replayed plain read of the fp8 bytes (torch's float32 sum
-over a buffer that size, `common.read_floor`), what a kernel that only streams them reaches
-with its fixed costs, and attnlang fp8's time as a fraction of it ("of floor": floor time /
-ours); fp8 / bf16 = bf16 time / fp8 time (the tokens/s gain); attnlang / FlashInfer likewise.
+the same run; "read floor": a graph-replayed kernel that only reads as many bytes as the fp8
+row (`common.read_floor`: 16 loads of 16 bytes in flight per thread, one-shot blocks of 64 KB),
+what a kernel that only streams them reaches with its launch, and attnlang fp8's time as a
+fraction of it ("of floor": floor time / ours); fp8 / bf16 = bf16 time / fp8 time (the
+tokens/s gain); attnlang / FlashInfer likewise.
 Outputs are checked first against a float32 torch evaluation of the dequantised cache (rel.
 L2 error).
 
