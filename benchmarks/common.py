@@ -402,8 +402,9 @@ def bench(fn: Callable | Sequence[Callable], *, warmup: int = 5, reps: int = 30,
     sync_each = est > 2e-3
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(want)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(want)]
-    if queue_ahead and not sync_each:
-        torch.cuda._sleep(int(want * QUEUE_AHEAD_SECONDS_PER_REP * SLEEP_CYCLES_PER_SECOND))
+    sleep = getattr(torch.cuda, "_sleep", None)  # private; absent, the reps are not queued
+    if queue_ahead and not sync_each and sleep is not None:
+        sleep(int(want * QUEUE_AHEAD_SECONDS_PER_REP * SLEEP_CYCLES_PER_SECOND))
     done = 0
     for i in range(want):
         starts[i].record()
@@ -496,12 +497,12 @@ def copy_bandwidth(*, nbytes: int = 1 << 30, reps: int = 30) -> float:
 
 
 # The read floor's kernel: block b reads the 64 KB [b * 64 KB, (b + 1) * 64 KB), each thread
-# 16 loads of 16 bytes issued before the first is used (volatile asm and launch bounds of one
-# block per SM, which lift ptxas's register target, keep them together; the xor and the store
-# keep ptxas from dropping them). One-shot blocks let the
+# 16 loads of 16 bytes issued before the first is used (volatile asm, and launch bounds that
+# ask for as little as one block per SM and so lift ptxas's register budget, keep them
+# together; the xor and the store keep ptxas from dropping them). One-shot blocks let the
 # hardware hand more of them to the SMs that drain faster, as a streaming read should. On the
-# H100 this reads 67 MB in 24-27 us (88-93% of the copy bandwidth) where torch's float32 sum
-# took 31-34 us, and 537 MB at 103% (benchmarks/NOTES.md, "The read floor, measured again").
+# H100 it reads 67 MB in 24-25 us (90-93% of the copy bandwidth) where torch's float32 sum took
+# 31-34 us, and 537 MB at 103% (benchmarks/NOTES.md, "The read floor, measured again").
 _READ_THREADS, _READ_LOADS = 256, 16
 _READ_BLOCK_BYTES = _READ_THREADS * _READ_LOADS * 16
 _READ_SOURCE = r"""
@@ -523,16 +524,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) read_bytes(const uint4* __r
 
 
 def _cupy_stream(torch):
-    """torch's current stream as a CuPy stream (CuPy 14 deprecates ExternalStream)."""
-    import cupy
+    """torch's current stream as a CuPy stream."""
+    from attnlang.runtime.arrays import external_stream
 
-    current = torch.cuda.current_stream()
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None and hasattr(current, "__cuda_stream__"):
-        return from_external(current)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        return cupy.cuda.ExternalStream(current.cuda_stream, current.device.index)
+    return external_stream(torch.cuda.current_stream().cuda_stream, torch.cuda.current_device())
 
 
 def read_floor(nbytes: int, *, nsets: int = 1, warmup: int = 5, reps: int = 30,
