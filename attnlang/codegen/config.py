@@ -145,10 +145,9 @@ _WGMMA_ARCHS = ("sm_90a",)  # wgmma exists on sm_90a only (not sm_90, not sm_100
 # The decode kernel of an fp8 cache on tensor cores (decode_mma.cu.j2): 4 warps, each with
 # its own ring of 3 stages of 32 keys (24 KB of e4m3 K and V at head dim 128), 100 KB per
 # CTA with the Q tile (the warps' states go in their drained rings): two CTAs per SM, 128 KB
-# of copies in flight per SM (head dim 64: 50 KB; 256: 200 KB, one CTA with as
-# many bytes in flight). Work items of
-# up to 8 fused rows (the mma's N), so decode steps of GQA groups up to 8 stay in the decode
-# kernel.
+# of copies in flight per SM (head dim 64: 50 KB; 256: 200 KB, one CTA with as many bytes
+# in flight). Work items of up to 8 fused rows (the mma's N), so decode steps of GQA groups
+# up to 8 stay in the decode kernel.
 DECODE_MMA_ROWS = 8
 _DECODE_MMA_WARPS = 4
 _DECODE_MMA_TILE = 128  # keys per CTA tile: 32 per warp
