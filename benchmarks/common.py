@@ -506,18 +506,19 @@ def copy_bandwidth(*, nbytes: int = 1 << 30, reps: int = 30) -> float:
 _READ_THREADS, _READ_LOADS = 256, 16
 _READ_BLOCK_BYTES = _READ_THREADS * _READ_LOADS * 16
 _READ_SOURCE = r"""
-extern "C" __global__ void __launch_bounds__(256, 1) read_bytes(const uint4* __restrict__ src,
-                                                                unsigned* sink) {
-  const long long first = (long long)blockIdx.x * 256 * 16 + threadIdx.x;
-  uint4 v[16];
+// THREADS and LOADS: _READ_THREADS and _READ_LOADS, given as macros.
+extern "C" __global__ void __launch_bounds__(THREADS, 1) read_bytes(const uint4* __restrict__ src,
+                                                                    unsigned* sink) {
+  const long long first = (long long)blockIdx.x * THREADS * LOADS + threadIdx.x;
+  uint4 v[LOADS];
 #pragma unroll
-  for (int u = 0; u < 16; ++u)
+  for (int u = 0; u < LOADS; ++u)
     asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                  : "=r"(v[u].x), "=r"(v[u].y), "=r"(v[u].z), "=r"(v[u].w)
-                 : "l"(src + first + u * 256));
+                 : "l"(src + first + u * THREADS));
   unsigned acc = 0;
 #pragma unroll
-  for (int u = 0; u < 16; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
+  for (int u = 0; u < LOADS; ++u) acc ^= v[u].x ^ v[u].y ^ v[u].z ^ v[u].w;
   if (acc == 0x9e3779b9u) sink[0] = acc;  // keeps the loads; nobody reads the sink
 }
 """
@@ -539,7 +540,8 @@ def read_floor(nbytes: int, *, nsets: int = 1, warmup: int = 5, reps: int = 30,
     import cupy
 
     torch = torch_module()
-    kernel = cupy.RawKernel(_READ_SOURCE, "read_bytes")
+    kernel = cupy.RawKernel(_READ_SOURCE, "read_bytes",
+                            options=(f"-DTHREADS={_READ_THREADS}", f"-DLOADS={_READ_LOADS}"))
     blocks = max(1, math.ceil(nbytes / _READ_BLOCK_BYTES))
     bufs = [torch.randint(0, 256, (blocks * _READ_BLOCK_BYTES,), dtype=torch.uint8, device=DEVICE)
             for _ in range(nsets)]
