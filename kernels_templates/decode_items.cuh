@@ -59,6 +59,17 @@ struct TileRange {
   int num_tiles;
   int q_lo, q_hi;   // query positions of the item's rows
   Index tile_ix;    // the item's Index (no query head, no positions)
+  bool all_visible = false;  // every pair of the item is visible (class_whole)
+
+  // Class the item's keys at once, where that costs no more than a tile's class (the mask
+  // scans no table over the keys: variant::kMaskTileScans). Every decode step under a causal
+  // mask is all_visible: the tensor-core decode kernel attends it without the mask's code.
+  __device__ __forceinline__ void class_whole(const variant::Params& params) {
+    if constexpr (variant::kHasMask && !variant::kMaskTileScans) {
+      all_visible = num_tiles > 0 && variant::mask_tile(q_lo, q_hi, w.kv_start, w.kv_end - 1,
+                                                        params, tile_ix) == kTileAllVisible;
+    }
+  }
 
   __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
     const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
@@ -68,7 +79,7 @@ struct TileRange {
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
     }
     return tile;
   }
@@ -76,7 +87,9 @@ struct TileRange {
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params,
                                               const int stride) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) tile += stride;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) {
+        tile += stride;
+      }
     }
     return tile;
   }

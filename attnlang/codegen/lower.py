@@ -301,17 +301,24 @@ _MASK_TILE_SIG = ("__device__ __forceinline__ int mask_tile(const int q_lo, cons
                   "const int kv_lo, const int kv_hi, const Params& p, const Index& ix)")
 
 
-def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool]:
+def _mask_tile_hook(mask: ir.Expr | None, filename: str) -> tuple[str, bool, bool]:
     """The tile classifier: q_pos in [q_lo, q_hi] x kv_pos in [kv_lo, kv_hi], the query heads
-    of ix.kv_head; 0 every pair masked, 1 unknown, 2 every pair visible."""
+    of ix.kv_head; 0 every pair masked, 1 unknown, 2 every pair visible. Also whether it
+    scans a bool table over a span of positions (common.cuh's span_tri), so that its cost
+    grows with the span: kMaskTileScans, under which kernels class tiles, never whole items."""
     if mask is None:
-        return f"{_MASK_TILE_SIG} {{ return 2; }}  // no mask: every pair visible", False
-    body = lower_mask_tile(mask, literal, *_TILE_LEAVES,
-                           lambda e: span_c(e, lambda i: expr_c(i, Env("mask"))))
+        return f"{_MASK_TILE_SIG} {{ return 2; }}  // no mask: every pair visible", False, False
+    spans = []
+
+    def span(e):
+        spans.append(e)
+        return span_c(e, lambda i: expr_c(i, Env("mask")))
+
+    body = lower_mask_tile(mask, literal, *_TILE_LEAVES, span)
     out = _Lines(filename, _line_of(mask))
     out.add("using namespace ::attnlang::mask_tiles;")
     out.user(f"return {body};", mask)
-    return f"{_MASK_TILE_SIG} {{\n{out.text()}\n}}", out.used_line
+    return f"{_MASK_TILE_SIG} {{\n{out.text()}\n}}", out.used_line, bool(spans)
 
 
 def _pair_window_hook(pairs: list[ir.ParamSpec]) -> str:
@@ -368,8 +375,10 @@ def lower(variant: ir.Variant) -> Hooks:
         return f"inline constexpr bool {name} = {'true' if value else 'false'};"
 
     pairs = [p for p in variant.params if p.is_pair]
+    mask_tile, used_line, mask_tile_scans = _mask_tile_hook(variant.mask, variant.filename)
     flags = "\n".join([flag(flag_names[s], has[s]) for s in ir.STAGES]
                       + [flag("kSoftmax", variant.softmax),
+                         flag("kMaskTileScans", mask_tile_scans),
                          flag("kPairWindow", len(pairs) == 1),
                          flag("kMaskReadsRequest", reads_request(variant.mask)),
                          flag("kLogitsReadsRequest", reads_request(variant.logits))])
@@ -388,7 +397,6 @@ def lower(variant: ir.Variant) -> Hooks:
         line = _line_of(e)
         if line is not None:
             stage_lines.append((stage, line))
-    mask_tile, used_line = _mask_tile_hook(variant.mask, variant.filename)
     if used_line:
         mask_tile += "\n" + LINE_RESET
 

@@ -251,6 +251,16 @@ def test_softmax_off_flag():
     assert not h.softmax
 
 
+@pytest.mark.parametrize("name, scans", [("causal", False), ("full", False),
+                                         ("sliding_window", False), ("longformer", True)])
+def test_mask_tile_scans_flag(name, scans):
+    # longformer's tile class scans is_global over the tile's keys (span_tri): the tensor-core
+    # decode kernel must not class a whole item's keys at once there.
+    h = lower(attnlang.load(VARIANT_FILES[VARIANT_IDS.index(name)]))
+    assert f"inline constexpr bool kMaskTileScans = {'true' if scans else 'false'};" in h.flags
+    assert ("span_tri(" in h.mask_tile) == scans
+
+
 def test_params_struct_and_kernel_params_keep_declaration_order():
     v = ir.Variant("p", params=(
         ir.ParamSpec("cap", F, default=50.0), ir.ParamSpec("slopes", F, "heads"),

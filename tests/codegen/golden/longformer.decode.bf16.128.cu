@@ -1225,6 +1225,7 @@ inline constexpr bool kHasLogits = false;
 inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
+inline constexpr bool kMaskTileScans = true;
 inline constexpr bool kPairWindow = false;
 inline constexpr bool kMaskReadsRequest = true;
 inline constexpr bool kLogitsReadsRequest = false;
@@ -1244,7 +1245,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/longformer.attn"
   return (((attnlang::iabs((ix.q_pos - ix.kv_pos)) <= 256) || (attnlang::table_at(p.u_is_global, attnlang::Known{ix.batch}, 0, ix.kv_pos, 16384) != 0)) || (attnlang::table_at(p.u_is_global, attnlang::Known{ix.batch}, 0, ix.q_pos, 16384) != 0));
 }
-#line 1248 "longformer_decode.cu"
+#line 1249 "longformer_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1254,7 +1255,6 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/longformer.attn"
   return tri_or(tri_or(tri_le(iv_abs(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi})), IvI::point(256)), attnlang::span_tri(p.u_is_global, kv_lo, kv_hi, 16384, attnlang::Known{ix.batch}, 0)), attnlang::span_tri(p.u_is_global, q_lo, q_hi, 16384, attnlang::Known{ix.batch}, 0));
 }
-#line 1258 "longformer_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1500,6 +1500,17 @@ struct TileRange {
   int num_tiles;
   int q_lo, q_hi;   // query positions of the item's rows
   Index tile_ix;    // the item's Index (no query head, no positions)
+  bool all_visible = false;  // every pair of the item is visible (class_whole)
+
+  // Class the item's keys at once, where that costs no more than a tile's class (the mask
+  // scans no table over the keys: variant::kMaskTileScans). Every decode step under a causal
+  // mask is all_visible: the tensor-core decode kernel attends it without the mask's code.
+  __device__ __forceinline__ void class_whole(const variant::Params& params) {
+    if constexpr (variant::kHasMask && !variant::kMaskTileScans) {
+      all_visible = num_tiles > 0 && variant::mask_tile(q_lo, q_hi, w.kv_start, w.kv_end - 1,
+                                                        params, tile_ix) == kTileAllVisible;
+    }
+  }
 
   __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
     const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
@@ -1509,7 +1520,7 @@ struct TileRange {
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
     }
     return tile;
   }
@@ -1517,7 +1528,9 @@ struct TileRange {
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params,
                                               const int stride) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) tile += stride;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) {
+        tile += stride;
+      }
     }
     return tile;
   }

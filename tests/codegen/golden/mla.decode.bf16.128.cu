@@ -1223,6 +1223,7 @@ inline constexpr bool kHasLogits = false;
 inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
+inline constexpr bool kMaskTileScans = false;
 inline constexpr bool kPairWindow = false;
 inline constexpr bool kMaskReadsRequest = false;
 inline constexpr bool kLogitsReadsRequest = false;
@@ -1242,7 +1243,7 @@ __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 10 "examples/mla.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1246 "mla_decode.cu"
+#line 1247 "mla_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1252,7 +1253,6 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 10 "examples/mla.attn"
   return tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi});
 }
-#line 1256 "mla_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1498,6 +1498,17 @@ struct TileRange {
   int num_tiles;
   int q_lo, q_hi;   // query positions of the item's rows
   Index tile_ix;    // the item's Index (no query head, no positions)
+  bool all_visible = false;  // every pair of the item is visible (class_whole)
+
+  // Class the item's keys at once, where that costs no more than a tile's class (the mask
+  // scans no table over the keys: variant::kMaskTileScans). Every decode step under a causal
+  // mask is all_visible: the tensor-core decode kernel attends it without the mask's code.
+  __device__ __forceinline__ void class_whole(const variant::Params& params) {
+    if constexpr (variant::kHasMask && !variant::kMaskTileScans) {
+      all_visible = num_tiles > 0 && variant::mask_tile(q_lo, q_hi, w.kv_start, w.kv_end - 1,
+                                                        params, tile_ix) == kTileAllVisible;
+    }
+  }
 
   __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
     const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
@@ -1507,7 +1518,7 @@ struct TileRange {
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
     }
     return tile;
   }
@@ -1515,7 +1526,9 @@ struct TileRange {
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params,
                                               const int stride) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) tile += stride;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) {
+        tile += stride;
+      }
     }
     return tile;
   }

@@ -1226,6 +1226,7 @@ inline constexpr bool kHasLogits = true;
 inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = true;
 inline constexpr bool kSoftmax = false;
+inline constexpr bool kMaskTileScans = false;
 inline constexpr bool kPairWindow = false;
 inline constexpr bool kMaskReadsRequest = false;
 inline constexpr bool kLogitsReadsRequest = true;
@@ -1261,7 +1262,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1265 "rope_norm_window_decode.cu"
+#line 1266 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1294,7 +1295,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1298 "rope_norm_window_decode.cu"
+#line 1299 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1303,13 +1304,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1307 "rope_norm_window_decode.cu"
+#line 1308 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1313 "rope_norm_window_decode.cu"
+#line 1314 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1331,14 +1332,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1335 "rope_norm_window_decode.cu"
+#line 1336 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1342 "rope_norm_window_decode.cu"
+#line 1343 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1584,6 +1585,17 @@ struct TileRange {
   int num_tiles;
   int q_lo, q_hi;   // query positions of the item's rows
   Index tile_ix;    // the item's Index (no query head, no positions)
+  bool all_visible = false;  // every pair of the item is visible (class_whole)
+
+  // Class the item's keys at once, where that costs no more than a tile's class (the mask
+  // scans no table over the keys: variant::kMaskTileScans). Every decode step under a causal
+  // mask is all_visible: the tensor-core decode kernel attends it without the mask's code.
+  __device__ __forceinline__ void class_whole(const variant::Params& params) {
+    if constexpr (variant::kHasMask && !variant::kMaskTileScans) {
+      all_visible = num_tiles > 0 && variant::mask_tile(q_lo, q_hi, w.kv_start, w.kv_end - 1,
+                                                        params, tile_ix) == kTileAllVisible;
+    }
+  }
 
   __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
     const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
@@ -1593,7 +1605,7 @@ struct TileRange {
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
     }
     return tile;
   }
@@ -1601,7 +1613,9 @@ struct TileRange {
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params,
                                               const int stride) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) tile += stride;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) {
+        tile += stride;
+      }
     }
     return tile;
   }

@@ -1227,6 +1227,7 @@ inline constexpr bool kHasLogits = true;
 inline constexpr bool kHasMask = true;
 inline constexpr bool kHasOutput = false;
 inline constexpr bool kSoftmax = true;
+inline constexpr bool kMaskTileScans = true;
 inline constexpr bool kPairWindow = false;
 inline constexpr bool kMaskReadsRequest = true;
 inline constexpr bool kLogitsReadsRequest = false;
@@ -1243,7 +1244,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = ((x[i] * (1.0f + (0.01f * ((float)((attnlang::table_at(p.u_shift, attnlang::Known{ix.kv_head}, ix.num_kv_heads, (ix.kv_pos % 3), 3) & 3)))))) + ((0.01f * attnlang::sin_reduced(((float)(ix.kv_pos)))) * attnlang::cos_reduced(((float)(attnlang::shr(ix.kv_pos, 1))))));
   }
 }
-#line 1247 "tables_decode.cu"
+#line 1248 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1252,13 +1253,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 14 "tests/variants/tables.attn"
   return ((s + attnlang::table_at(p.u_bias, attnlang::Known{ix.head}, ix.num_heads, attnlang::floor_div((ix.q_pos - ix.kv_pos), 8), 8, attnlang::floor_mod(ix.q_pos, 4), 4)) + (0.1f * erff(s)));
 }
-#line 1256 "tables_decode.cu"
+#line 1257 "tables_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 15 "tests/variants/tables.attn"
   return ((((((attnlang::table_at(p.u_keep, attnlang::Known{ix.batch}, 0, ix.kv_pos, 64) != 0) || ((ix.kv_pos ^ ix.q_pos) < 24)) && (attnlang::float_to_int((((float)(ix.q_pos)) * 0.5f)) >= ((attnlang::floor_div(ix.kv_pos, 2) - 3) - (ix.q_pos - (ix.kv_len - ix.qo_len))))) && (!(attnlang::shl(ix.kv_pos, 1) == (-2)))) && (!([&]() { bool acc = false; for (int loop_j = 0; loop_j < 3; ++loop_j) acc = acc || ((ix.kv_pos == ((5 * loop_j) + 2))); return acc; }()))) && (([&]() { int acc = (-2147483647 - 1); for (int loop_j = 0; loop_j < 2; ++loop_j) acc = attnlang::imax(acc, ((ix.q_pos - ix.kv_pos) - loop_j)); return acc; }()) > (-70)));
 }
-#line 1262 "tables_decode.cu"
+#line 1263 "tables_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1268,7 +1269,6 @@ __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const i
 #line 15 "tests/variants/tables.attn"
   return tri_and(tri_and(tri_and(tri_and(tri_or(attnlang::span_tri(p.u_keep, kv_lo, kv_hi, 64, attnlang::Known{ix.batch}, 0), tri_lt(IvI::top(), IvI::point(24))), tri_ge(iv_int(iv_mul(to_float(IvI{q_lo, q_hi}), IvF::point(0.5f))), iv_sub(iv_sub(iv_floordiv(IvI{kv_lo, kv_hi}, IvI::point(2)), IvI::point(3)), iv_sub(IvI{q_lo, q_hi}, iv_sub(IvI::point(ix.kv_len), IvI::point(ix.qo_len)))))), (2 - tri_eq(IvI::top(), IvI::point((-2))))), (2 - 1)), tri_gt(IvI::top(), IvI::point((-70))));
 }
-#line 1272 "tables_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1514,6 +1514,17 @@ struct TileRange {
   int num_tiles;
   int q_lo, q_hi;   // query positions of the item's rows
   Index tile_ix;    // the item's Index (no query head, no positions)
+  bool all_visible = false;  // every pair of the item is visible (class_whole)
+
+  // Class the item's keys at once, where that costs no more than a tile's class (the mask
+  // scans no table over the keys: variant::kMaskTileScans). Every decode step under a causal
+  // mask is all_visible: the tensor-core decode kernel attends it without the mask's code.
+  __device__ __forceinline__ void class_whole(const variant::Params& params) {
+    if constexpr (variant::kHasMask && !variant::kMaskTileScans) {
+      all_visible = num_tiles > 0 && variant::mask_tile(q_lo, q_hi, w.kv_start, w.kv_end - 1,
+                                                        params, tile_ix) == kTileAllVisible;
+    }
+  }
 
   __device__ __forceinline__ int mask_class(const int tile, const variant::Params& params) const {
     const int kv_lo = w.kv_start + tile * kTileKeys;           // first key of the tile
@@ -1523,7 +1534,7 @@ struct TileRange {
   // The first tile >= tile not entirely masked; num_tiles if none.
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) ++tile;
     }
     return tile;
   }
@@ -1531,7 +1542,9 @@ struct TileRange {
   __device__ __forceinline__ int next_visible(int tile, const variant::Params& params,
                                               const int stride) const {
     if constexpr (variant::kHasMask) {
-      while (tile < num_tiles && mask_class(tile, params) == kTileAllMasked) tile += stride;
+      while (!all_visible && tile < num_tiles && mask_class(tile, params) == kTileAllMasked) {
+        tile += stride;
+      }
     }
     return tile;
   }
