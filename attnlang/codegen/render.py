@@ -3,10 +3,10 @@
 The templates (``kernels_templates/<kind>.cu.j2``) only splice: every value comes from here,
 computed in Python (`attnlang.codegen.config` for the layout constants, `Hooks` for the
 variant). Jinja2 runs with `StrictUndefined`, so a template naming a value this module does
-not pass fails loudly instead of rendering an empty string. ``common.cuh`` is spliced in by
-an include, so the only ``#include`` lines left are CUDA's own (cuda_fp16.h, cuda_bf16.h).
-Included ``.cuh`` headers are C++, never Jinja: they are spliced verbatim (inline PTX such as
-``{%0, %1}`` operand lists would otherwise read as template tags).
+not pass fails loudly instead of rendering an empty string. ``common.cuh`` and ``machine.cuh``
+are spliced in by includes, so the only ``#include`` lines left are CUDA's own (cuda_fp16.h,
+cuda_bf16.h). Included ``.cuh`` headers are C++, never Jinja: they are spliced verbatim
+(inline PTX such as ``{%0, %1}`` operand lists would otherwise read as template tags).
 
 After rendering, each `lower.LINE_RESET` marker becomes ``#line <n> "<variant>_<kind>.cu"``
 with n the marker's own position, so lines after a hook are numbered as the generated file

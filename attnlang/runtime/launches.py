@@ -135,7 +135,7 @@ def graph_kernels(group_size: int, prefill_min_rows: int, max_qo_len: int, *,
 def dependent_launch(arch: str) -> bool:
     """Are the kernels of a module built for `arch` launched as programmatic dependents of the
     kernel before each in the stream? On sm_90+ (where their `griddepcontrol.wait` is
-    compiled in: common.cuh's dependent launch), unless ATTNLANG_DEPENDENT_LAUNCH is off.
+    compiled in: machine.cuh's dependent launch), unless ATTNLANG_DEPENDENT_LAUNCH is off.
     ``dependent_launch("sm_90a")`` -> True, ``dependent_launch("sm_80")`` -> False."""
     m = re.fullmatch(r"sm_(\d+)[af]?", arch)
     return m is not None and int(m.group(1)) >= 90 and env.dependent_launch()

@@ -4,7 +4,8 @@ collectives.)
 
 The real rendered source (`attnlang.codegen.render.render`) is compiled as C++ by g++ against
 ``emulator_shim.h``, which emulates the CUDA subset the templates use (threads, barriers,
-group shuffles, cp.async, half/bf16); the few inline PTX statements of common.cuh are
+group shuffles, cp.async, half/bf16); the few inline PTX statements of common.cuh and
+machine.cuh are
 replaced by the shim's calls. Each kernel becomes a small executable that reads its
 arguments from a directory of raw arrays and writes its outputs back.
 
@@ -39,7 +40,7 @@ from attnlang.runtime.planner import plan_batch
 
 SHIM = Path(__file__).with_name("emulator_shim.h")
 
-# Inline PTX statements of common.cuh -> the shim's equivalents.
+# Inline PTX statements of common.cuh and machine.cuh -> the shim's equivalents.
 _PTX = [
     ('asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));', "y = exp2f(x);"),
     ('asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));', "y = tanhf(x);"),
@@ -116,24 +117,25 @@ def entry_args(src: str, kind: str) -> list[tuple[str, str]]:
 
 
 def _emulated_device_code(src: str) -> str:
-    """Device code that includes common.cuh, with the shim for CUDA's headers and its inline
-    PTX (other inline PTX becomes a trap)."""
+    """Device code that includes common.cuh and machine.cuh, with the shim for CUDA's headers
+    and their inline PTX (other inline PTX becomes a trap)."""
     src = src.replace("#include <cuda_fp16.h>", f'#include "{SHIM}"')
     src = src.replace("#include <cuda_bf16.h>", "")
     for ptx, emu in _PTX:
-        assert ptx in src, f"common.cuh changed: {ptx!r} not found; update the emulator"
+        assert ptx in src, f"{ptx!r} not found in common.cuh or machine.cuh: update the emulator"
         src = src.replace(ptx, emu)
     src, n = _CP_ASYNC.subn("emu_cp_async(smem_dst, gmem_src, valid);", src)
     src, n8 = _CP_ASYNC_8.subn("emu_cp_async(smem_dst, gmem_src, valid, 8);", src)
-    assert n == 1 and n8 == 1, "common.cuh changed: cp.async statements not found"
+    assert n == 1 and n8 == 1, "machine.cuh changed: cp.async statements not found"
     return _OTHER_ASM.sub(r"\1emu_unsupported(__LINE__);", src)
 
 
 def common_program(main: str) -> str:
-    """common.cuh alone, emulated, followed by `main` (C++ using namespace attnlang): unit
-    tests of its helpers."""
-    common = (paths.templates_dir() / "common.cuh").read_text()
-    return _emulated_device_code(common) + "\nusing namespace attnlang;\n" + main
+    """common.cuh and machine.cuh alone, emulated, followed by `main` (C++ using namespace
+    attnlang): unit tests of their helpers."""
+    headers = "\n".join((paths.templates_dir() / name).read_text()
+                        for name in ("common.cuh", "machine.cuh"))
+    return _emulated_device_code(headers) + "\nusing namespace attnlang;\n" + main
 
 
 def _emulated_source(src: str, kind: str) -> str:

@@ -42,7 +42,7 @@ _MMA = re.compile(r'asm volatile\(\s*"mma\.sync\.aligned\.m16n8k16\.row\.col\.f3
 _MOVMATRIX = re.compile(r'asm volatile\("movmatrix\.sync\.aligned\.m8n8\.trans\.b16.*?\);', re.S)
 _SMEM_U32 = "return static_cast<unsigned>(__cvta_generic_to_shared(ptr));"
 # prefill_tiles.cuh's cp.async to a shared-memory address (load_tile), before the base emulator's
-# substitution of common.cuh's generic-pointer one.
+# substitution of machine.cuh's generic-pointer one.
 _CP_ASYNC_SHARED = re.compile(
     r'asm volatile\("cp\.async\.cg\.shared\.global \[%0\], \[%1\], 16, %2;'
     r'\\n"\s*::\s*"r"\(dst\), "l"\(src\), "r"\(valid \? 16 : 0\).*?\);', re.S)
@@ -56,9 +56,9 @@ def _emulated_source(src: str, kind: str) -> str:
         lambda m: f"emu_ldmatrix(r, smem_addr, {'true' if m.group(1) else 'false'});", src)
     src, n_mma = _MMA.subn(
         lambda m: f"emu_mma<{'true' if m.group(1) == 'bf16' else 'false'}>(c, a, b0, b1);", src)
-    assert n_ld == 2 and n_mma == 2, "common.cuh's mma section changed; update the emulator"
+    assert n_ld == 2 and n_mma == 2, "machine.cuh's mma section changed; update the emulator"
     src = _MOVMATRIX.sub("y = emu_movmatrix_trans(x);", src)  # decode_mma.cu.j2's transpose
-    assert _SMEM_U32 in src, "common.cuh's smem_u32 changed; update the emulator"
+    assert _SMEM_U32 in src, "machine.cuh's smem_u32 changed; update the emulator"
     src, n_cp = _CP_ASYNC_SHARED.subn("emu_cp_async(emu_smem() + dst, src, valid);", src)
     src, n_cp8 = _CP_ASYNC_SHARED_8.subn("emu_cp_async(emu_smem() + dst, src, valid, 8);", src)
     assert n_cp == n_cp8 == (kind in ("prefill", "cascade")), (

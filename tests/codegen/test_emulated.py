@@ -185,7 +185,7 @@ def test_rope_at_large_positions(offset, workdir):
 
 
 def test_fp8_codes_decode_exactly(workdir):
-    # common.cuh's fp8x4_to_float off sm_89 (the bit path the emulator runs; sm_89+ converts
+    # machine.cuh's fp8x4_to_float off sm_89 (the bit path the emulator runs; sm_89+ converts
     # in hardware, which the GPU tests check): all 256 codes, NaN for S.1111.111.
     main = r"""
 #include <cstdio>
@@ -206,7 +206,7 @@ int main() {
 
 
 def test_fp8_codes_to_half_exactly(workdir):
-    # common.cuh's e4m3x4_to_half2x2 off sm_89 (bit placement, an f16 multiply by 2^8, NaN
+    # machine.cuh's e4m3x4_to_half2x2 off sm_89 (bit placement, an f16 multiply by 2^8, NaN
     # patched; the tensor-core decode kernel's conversion): all 256 codes, NaN for S.1111.111.
     main = r"""
 #include <cstdio>

@@ -149,9 +149,9 @@ def test_bad_render_arguments(kind, dtype, head_dim, message):
 
 def test_headers_are_spliced_verbatim():
     # .cuh headers are C++: Jinja-looking text in them (inline PTX operand lists) passes as is.
-    common = (Path(paths.templates_dir()) / "common.cuh").read_text()
     src = render(lower(load(by_id("causal"))), "merge", "float16", 64)
-    assert common in src
+    for header in ("common.cuh", "machine.cuh"):
+        assert (Path(paths.templates_dir()) / header).read_text() in src
 
 
 def test_a_broken_template_cache_only_costs_time(tmp_path):

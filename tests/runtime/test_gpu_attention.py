@@ -501,7 +501,7 @@ def test_merge_waits_through_empty_launches(cp, kv_dtype):
     """Decode steps split across CTAs, in a graph that also holds the launches of kernels this
     plan leaves empty (the prefill kernel's; with an fp8 cache the conversion and the prefill
     over the copy too), between the decode kernel and the merge. Their idle CTAs return
-    before waiting (common.cuh's leaves_idle) but for each grid's first, so the merge still
+    before waiting (machine.cuh's leaves_idle) but for each grid's first, so the merge still
     reads the partial states of this replay's decode: replays with two q's in turn each give
     the plain run's output of that q, bit for bit."""
     variant = attnlang.load(VARIANT_PATHS["causal"])

@@ -16,7 +16,7 @@ from attnlang.runtime.workspace import _SECTIONS
                                             ("sm_100a", True), ("sm_120", True),
                                             ("sm_89", False), ("sm_80", False)])
 def test_dependent_launch_where_griddepcontrol_is_compiled_in(arch, expected, monkeypatch):
-    # common.cuh compiles griddepcontrol.wait into the merge kernel from sm_90 on: a merge
+    # machine.cuh compiles griddepcontrol.wait into the merge kernel from sm_90 on: a merge
     # kernel without it must never start before the partial states are written
     monkeypatch.delenv("ATTNLANG_DEPENDENT_LAUNCH", raising=False)
     assert L.dependent_launch(arch) is expected

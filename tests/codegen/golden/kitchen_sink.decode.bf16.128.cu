@@ -45,8 +45,10 @@
 // by the language and written as -inf (never NaN).
 // ============================================================================================
 // ============================================================================================
-// attnlang common device code, spliced into every kernel source by a Jinja include: the
-// rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
+// attnlang common device code: what the hooks and kernels compute with (the language's int
+// and table semantics, masks' classes, fast math, row groups, rope). Spliced into every
+// kernel source by a Jinja include, followed by machine.cuh (what they ask of the machine);
+// the rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
 //
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
@@ -67,19 +69,6 @@
 //   group_allreduce<TX>(v,op)  butterfly over the TX lanes of the group (every lane gets it)
 //   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
 //   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
-//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
-//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
-//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
-//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
-//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
-//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
-//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
-//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
-//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
-//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
-//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
-//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
-//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
 //
 // Row groups: a head vector of kHeadDim elements lives in TX consecutive lanes of one warp
 // (TX a power of two <= 32, so the group is aligned), VEC consecutive elements per lane:
@@ -584,6 +573,33 @@ __device__ __forceinline__ void rope_interleaved(float (&out)[VEC], const float 
     out[2 * k + 1] = odd * c[k] + even * s[k];
   }
 }
+
+}  // namespace attnlang
+
+// ============================================================================================
+// What attnlang's kernels ask of the machine: 16-byte packs of T, asynchronous copies, fp8
+// conversions, dependent launches, division by a run-time constant, mma.sync fragments.
+// Spliced into every kernel source right after common.cuh (whose helpers and CUDA headers it
+// uses) by a Jinja include.
+//
+// Symbols defined here (namespace attnlang):
+//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
+//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
+//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
+//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
+//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
+//   launch_dependents, wait_for_prerequisites   programmatic dependent launch (sm_90+)
+//   leaves_idle, has_no_items   a CTA without work returns before the wait (sm_90+)
+//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
+//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
+//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
+//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
+//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
+//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
+// ============================================================================================
+namespace attnlang {
 
 // ---------------------------------------------------------------------------- 16-byte packs
 
@@ -1241,7 +1257,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = ((x[i] * powf((1.0f + ((float)(attnlang::iabs((ix.q_pos % 3))))), 0.25f)) * (1.0f / 1.7320508075688772f));
   }
 }
-#line 1245 "kitchen_sink_decode.cu"
+#line 1261 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1288,19 +1304,19 @@ __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Par
     x[i] = ((((x[i] * attnlang::table_at(p.u_kvw, attnlang::Known{ix.kv_head}, ix.num_kv_heads)) + (0.1f * red0)) - (0.05f * red1)) + ((0.01f * red2) / ((float)(attnlang::kHeadDim))));
   }
 }
-#line 1292 "kitchen_sink_decode.cu"
+#line 1308 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ float logits(const float s, const Params& p, const Index& ix) {
 #line 17 "tests/variants/kitchen_sink.attn"
   return ((fminf(fmaxf(s, (-5.0f)), 5.0f) * (1.0f / 1.4142135623730951f)) + (true ? attnlang::softplus(attnlang::ex2_approx((-fabsf(s)))) : 0.0f));
 }
-#line 1298 "kitchen_sink_decode.cu"
+#line 1314 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 18 "tests/variants/kitchen_sink.attn"
   return (((((ix.q_pos - ix.kv_pos) % 7) != 3) && (ix.kv_pos >= (((-1) - p.u_shift) - 1))) || (ix.kv_pos == 0));
 }
-#line 1304 "kitchen_sink_decode.cu"
+#line 1320 "kitchen_sink_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1323,14 +1339,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * attnlang::sigmoid(attnlang::table_at(p.u_gate, attnlang::Known{ix.head}, ix.num_heads))) + (((dim % 2) == 0) ? 0.0f : (0.01f * red0)));
   }
 }
-#line 1327 "kitchen_sink_decode.cu"
+#line 1343 "kitchen_sink_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 18 "tests/variants/kitchen_sink.attn"
   return tri_or(tri_and(tri_ne(iv_mod(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(7)), IvI::point(3)), tri_ge(IvI{kv_lo, kv_hi}, iv_sub(iv_sub(IvI::point((-1)), IvI::point(p.u_shift)), IvI::point(1)))), tri_eq(IvI{kv_lo, kv_hi}, IvI::point(0)));
 }
-#line 1334 "kitchen_sink_decode.cu"
+#line 1350 "kitchen_sink_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1904,7 +1920,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   using namespace attnlang::decode_kernel;
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_kvw, param_gate, param_shift};
-  launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
+  launch_dependents();       // the kernel after it may start its CTAs (machine.cuh; sm_90+)
   if (leaves_idle(has_no_items(work_indptr))) return;
   wait_for_prerequisites();  // ... and this one reads nothing else before the one before is done
 

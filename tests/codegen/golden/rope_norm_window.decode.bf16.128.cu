@@ -45,8 +45,10 @@
 // by the language and written as -inf (never NaN).
 // ============================================================================================
 // ============================================================================================
-// attnlang common device code, spliced into every kernel source by a Jinja include: the
-// rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
+// attnlang common device code: what the hooks and kernels compute with (the language's int
+// and table semantics, masks' classes, fast math, row groups, rope). Spliced into every
+// kernel source by a Jinja include, followed by machine.cuh (what they ask of the machine);
+// the rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
 //
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
@@ -67,19 +69,6 @@
 //   group_allreduce<TX>(v,op)  butterfly over the TX lanes of the group (every lane gets it)
 //   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
 //   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
-//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
-//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
-//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
-//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
-//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
-//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
-//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
-//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
-//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
-//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
-//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
-//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
-//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
 //
 // Row groups: a head vector of kHeadDim elements lives in TX consecutive lanes of one warp
 // (TX a power of two <= 32, so the group is aligned), VEC consecutive elements per lane:
@@ -584,6 +573,33 @@ __device__ __forceinline__ void rope_interleaved(float (&out)[VEC], const float 
     out[2 * k + 1] = odd * c[k] + even * s[k];
   }
 }
+
+}  // namespace attnlang
+
+// ============================================================================================
+// What attnlang's kernels ask of the machine: 16-byte packs of T, asynchronous copies, fp8
+// conversions, dependent launches, division by a run-time constant, mma.sync fragments.
+// Spliced into every kernel source right after common.cuh (whose helpers and CUDA headers it
+// uses) by a Jinja include.
+//
+// Symbols defined here (namespace attnlang):
+//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
+//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
+//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
+//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
+//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
+//   launch_dependents, wait_for_prerequisites   programmatic dependent launch (sm_90+)
+//   leaves_idle, has_no_items   a CTA without work returns before the wait (sm_90+)
+//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
+//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
+//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
+//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
+//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
+//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
+// ============================================================================================
+namespace attnlang {
 
 // ---------------------------------------------------------------------------- 16-byte packs
 
@@ -1262,7 +1278,7 @@ __device__ __forceinline__ void query(float (&x)[VEC], const int dim0, const Par
     x[i] = rope0[i];
   }
 }
-#line 1266 "rope_norm_window_decode.cu"
+#line 1282 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1295,7 +1311,7 @@ __device__ __forceinline__ void key(float (&x)[VEC], const int dim0, const Param
     x[i] = rope0[i];
   }
 }
-#line 1299 "rope_norm_window_decode.cu"
+#line 1315 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void value(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1304,13 +1320,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 12 "tests/variants/rope_norm_window.attn"
   return ((p.u_scale * attnlang::sigmoid(s)) / ((float)((1 + ix.kv_len))));
 }
-#line 1308 "rope_norm_window_decode.cu"
+#line 1324 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 13 "tests/variants/rope_norm_window.attn"
   return (((ix.q_pos - ix.kv_pos) < 64) && (ix.kv_pos <= ix.q_pos));
 }
-#line 1314 "rope_norm_window_decode.cu"
+#line 1330 "rope_norm_window_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {
@@ -1332,14 +1348,14 @@ __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Pa
     x[i] = ((x[i] * 2.0f) - (red0 * 0.1f));
   }
 }
-#line 1336 "rope_norm_window_decode.cu"
+#line 1352 "rope_norm_window_decode.cu"
 
 __device__ __forceinline__ int mask_tile(const int q_lo, const int q_hi, const int kv_lo, const int kv_hi, const Params& p, const Index& ix) {
   using namespace ::attnlang::mask_tiles;
 #line 13 "tests/variants/rope_norm_window.attn"
   return tri_and(tri_lt(iv_sub(IvI{q_lo, q_hi}, IvI{kv_lo, kv_hi}), IvI::point(64)), tri_le(IvI{kv_lo, kv_hi}, IvI{q_lo, q_hi}));
 }
-#line 1343 "rope_norm_window_decode.cu"
+#line 1359 "rope_norm_window_decode.cu"
 
 inline constexpr int kUniformTerms = 0;
 inline constexpr bool kUniformAdditive = false;
@@ -1912,7 +1928,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   using namespace attnlang::decode_kernel;
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_offset, param_scale};
-  launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
+  launch_dependents();       // the kernel after it may start its CTAs (machine.cuh; sm_90+)
   if (leaves_idle(has_no_items(work_indptr))) return;
   wait_for_prerequisites();  // ... and this one reads nothing else before the one before is done
 

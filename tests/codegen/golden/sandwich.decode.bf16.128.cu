@@ -45,8 +45,10 @@
 // by the language and written as -inf (never NaN).
 // ============================================================================================
 // ============================================================================================
-// attnlang common device code, spliced into every kernel source by a Jinja include: the
-// rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
+// attnlang common device code: what the hooks and kernels compute with (the language's int
+// and table semantics, masks' classes, fast math, row groups, rope). Spliced into every
+// kernel source by a Jinja include, followed by machine.cuh (what they ask of the machine);
+// the rendered .cu is self-contained apart from CUDA's own fp16/bf16 headers.
 //
 // Symbols defined here (namespace attnlang):
 //   Index                    what a hook may read besides its input (INTERNALS.md)
@@ -67,19 +69,6 @@
 //   group_allreduce<TX>(v,op)  butterfly over the TX lanes of the group (every lane gets it)
 //   group_sum/mean/max/min<VEC, TX>(t)   reduce a float[VEC] per lane over the row group
 //   rope_rotate_half<VEC, TX>, rope_interleaved<VEC, TX>   rotary embedding of a row
-//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
-//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
-//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
-//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
-//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
-//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
-//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
-//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
-//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
-//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
-//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
-//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
-//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
 //
 // Row groups: a head vector of kHeadDim elements lives in TX consecutive lanes of one warp
 // (TX a power of two <= 32, so the group is aligned), VEC consecutive elements per lane:
@@ -584,6 +573,33 @@ __device__ __forceinline__ void rope_interleaved(float (&out)[VEC], const float 
     out[2 * k + 1] = odd * c[k] + even * s[k];
   }
 }
+
+}  // namespace attnlang
+
+// ============================================================================================
+// What attnlang's kernels ask of the machine: 16-byte packs of T, asynchronous copies, fp8
+// conversions, dependent launches, division by a run-time constant, mma.sync fragments.
+// Spliced into every kernel source right after common.cuh (whose helpers and CUDA headers it
+// uses) by a Jinja include.
+//
+// Symbols defined here (namespace attnlang):
+//   Vec<T>, IsBf16<T>        16-byte packs of T <-> float[8] (global / shared memory); bf16?
+//   cp_async_16, cp_async_8, cp_async_commit, cp_async_wait<N>, cp_async_wait_all   (sm_80+)
+//   fp8x4_to_float, dequantize8<T>   float8 e4m3 -> float; an fp8 cache chunk in place
+//   e4m3x4_to_half2x2        four e4m3 values -> two f16x2 (exact; the bit path off sm_89)
+//   float2_to_e4m3x2, split_e4m3x2   two floats -> e4m3 (RN, saturated); as hi + lo (sm_89+)
+//   store_e4m3x8<T>          eight e4m3 values (two words) -> one chunk of T, times a scale
+//   convert8<T>              the same without a scale (the kernel folds it elsewhere)
+//   launch_dependents, wait_for_prerequisites   programmatic dependent launch (sm_90+)
+//   leaves_idle, has_no_items   a CTA without work returns before the wait (sm_90+)
+//   FastDivmod               n / d and n % d by a run-time d with a multiply-high (page_size)
+//   quad_allreduce(v, op)    butterfly over the 4 lanes of an mma quad (lanes 4k .. 4k+3)
+//   smem_u32(ptr)            the 32-bit shared-window address of a shared-memory pointer
+//   ldmatrix_x4, ldmatrix_x4_trans   four 8x8 16-bit matrices shared -> registers (sm_75+)
+//   Mma<T>::m16n8k16(acc, a, b0, b1)  acc += A(16x16) B(16x8), fp32 accumulate (sm_80+)
+//   pack2<T>(lo, hi)         two floats -> one 32-bit register of T (lo in the low half)
+// ============================================================================================
+namespace attnlang {
 
 // ---------------------------------------------------------------------------- 16-byte packs
 
@@ -1243,13 +1259,13 @@ __device__ __forceinline__ float logits(const float s, const Params& p, const In
 #line 10 "examples/sandwich.attn"
   return (s + (p.u_scale * ([&]() { float acc = 0.0f; _Pragma("unroll 1") for (int loop_i = 1; loop_i < 65; ++loop_i) acc = acc + (attnlang::cos_reduced((((float)((ix.q_pos - ix.kv_pos))) * attnlang::ex2_approx(((((-2.0f) * ((float)(loop_i))) * (1.0f / 128.0f)) * 13.287712379549449f))))); return acc; }())));
 }
-#line 1247 "sandwich_decode.cu"
+#line 1263 "sandwich_decode.cu"
 
 __device__ __forceinline__ bool mask(const Params& p, const Index& ix) {
 #line 12 "examples/sandwich.attn"
   return (ix.kv_pos <= ix.q_pos);
 }
-#line 1253 "sandwich_decode.cu"
+#line 1269 "sandwich_decode.cu"
 
 template <int VEC, int TX>
 __device__ __forceinline__ void output(float (&x)[VEC], const int dim0, const Params& p, const Index& ix) {}  // identity
@@ -1282,7 +1298,7 @@ __device__ __forceinline__ float logits_distance(const float s, const Params& p,
 #line 10 "examples/sandwich.attn"
   return (s + t);
 }
-#line 1286 "sandwich_decode.cu"
+#line 1302 "sandwich_decode.cu"
 
 template <int kKeys>
 __device__ __forceinline__ ::attnlang::PairWindow pair_window(const Params& p, const Index& ix, const int kv_lo) { return {}; }  // unused: kPairWindow is false
@@ -1839,7 +1855,7 @@ decode(const __nv_bfloat16* __restrict__ q,
   using namespace attnlang::decode_kernel;
   extern __shared__ __align__(16) unsigned char smem[];
   const variant::Params params{param_scale};
-  launch_dependents();       // the kernel after it may start its CTAs (common.cuh; sm_90+)
+  launch_dependents();       // the kernel after it may start its CTAs (machine.cuh; sm_90+)
   if (leaves_idle(has_no_items(work_indptr))) return;
   wait_for_prerequisites();  // ... and this one reads nothing else before the one before is done
 
