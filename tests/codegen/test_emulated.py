@@ -13,6 +13,7 @@ import pytest
 
 import attnlang
 from tests.codegen import emulator
+from tests.random_variants import random_variant
 from tests.variant_files import CPU_HEAVY_FILES, CPU_HEAVY_IDS, VARIANT_FILES, VARIANT_IDS
 
 _PROBLEM = emulator.available()
@@ -241,3 +242,20 @@ def test_fp8_cache(case, workdir):
     v = attnlang.load(VARIANT_FILES[VARIANT_IDS.index(case.pop("name"))])
     r = emulator.run_case(v, workdir, kv_dtype="float8_e4m3fn", seed=7, **case)
     check(r, case.get("dtype", "bfloat16"))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_random_variant(seed, workdir):
+    # Programs nobody wrote (tests/random_variants.py; the GPU runs more of them in
+    # tests/runtime/test_gpu_random_variants.py): both dtypes, GQA groups 1, 4 and 8, head dims
+    # 64 and 128, split and merged every other seed, an fp8 cache every third.
+    dtype = ("bfloat16", "float16")[seed % 2]
+    v = attnlang.parse(random_variant(seed), f"random_{seed}.attn")
+    group = (1, 4, 8)[seed % 3]
+    r = emulator.run_case(v, workdir, dtype=dtype, head_dim=(64, 128)[seed // 2 % 2],
+                          num_heads=2 * group, num_kv_heads=2, qo_lens=(1, 3, 2, 1),
+                          kv_lens=(37, 100, 5, 260), kv_chunk_size=(24, None)[seed % 2],
+                          kv_dtype="float8_e4m3fn" if seed % 3 == 0 else None, seed=seed)
+    assert not r.has_nan and r.rel_err <= TOL[dtype], r
+    if r.lse_err is not None:  # LANGUAGE.md section 7: bf16 scores keep q' and k' rounded
+        assert r.lse_finite_matches and r.lse_err <= (1e-2 if seed % 2 == 0 else 5e-3), r

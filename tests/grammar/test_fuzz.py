@@ -35,3 +35,24 @@ def test_an_accepted_random_program_compiles_with_nvrtc(tmp_path, monkeypatch):
         assert "decode" in km.cubins, source
         return
     pytest.fail("no random program was accepted")
+
+
+def test_random_variants_are_accepted_and_cover_the_language():
+    # tests/random_variants.py feeds the differential tests (emulated kernels here, the GPU's
+    # in tests/runtime/test_gpu_random_variants.py): its programs must all be accepted, and
+    # between them reach every stage and every kind of piece it knows.
+    from tests.random_variants import random_variant
+
+    texts = [random_variant(seed, cascade=seed % 2 == 1) for seed in range(300)]
+    for text in texts:
+        assert fuzz.check_source(text) == "accepted", text
+    joined = "\n".join(texts)
+    for construct in ("query = ", "key = ", "value = ", "output = ", "logits = ", "mask = ",
+                      "softmax = off", "rope(", "rope_interleaved(", "theta=", "rsqrt(mean(",
+                      "max(", "sum(cos(", "any(", "erf(", "tanh(", "sigmoid(", "clamp(",
+                      "where(", "slopes[head]", "bias[head, ", "w_query[dim]", "g_key[kv_head]",
+                      "prefix[batch]", "keep[batch, ", "allowed[q_row, kv_pos]",
+                      "offset[batch]", "let rel", "const window", "param window", "const temp",
+                      "param cap", "not (", " and (", " or (", "kv_len % 7"):
+        assert construct in joined, construct
+    assert not any("kv_len % 7" in t for t in texts[1::2]), "a cascade variant's value reads kv_len"

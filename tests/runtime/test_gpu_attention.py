@@ -168,8 +168,14 @@ def make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim, page_size, dty
 
 
 def lengths_for(rng, mode: str) -> tuple[np.ndarray, np.ndarray]:
-    """Ragged lengths: decode (qo_len 1, kv_len up to 2000, one of length 1) or prefill (one
-    long prompt up to 300 queries over up to 2000 keys, a pure prompt, an empty request)."""
+    """Ragged lengths: decode (qo_len 1, kv_len up to 2000, one of length 1), prefill (one
+    long prompt up to 300 queries over up to 2000 keys, a pure prompt, an empty request) or
+    mixed (four decode steps and the prefill requests in one batch, shuffled)."""
+    if mode == "mixed":
+        (qo_d, kv_d), (qo_p, kv_p) = lengths_for(rng, "decode"), lengths_for(rng, "prefill")
+        order = rng.permutation(4 + len(qo_p))
+        return (np.concatenate([qo_d[:4], qo_p])[order],
+                np.concatenate([kv_d[:4], kv_p])[order])
     if mode == "decode":
         kv = np.array([1, rng.integers(2, 300), rng.integers(300, 1000), rng.integers(1000, 2001),
                        rng.integers(1, 2001), rng.integers(1, 2001)])
@@ -223,11 +229,16 @@ def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.linalg.norm(got - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
-def check_lse(got: np.ndarray, ref: np.ndarray) -> None:
+def check_lse(got: np.ndarray, ref: np.ndarray, dtype: str | None = None) -> None:
+    """lse -inf exactly where the reference's is, else close. A score of bf16 inputs carries
+    the rounding of q' and k' to bf16 (2^-9 each, relative to the dot's terms), which a row
+    of one or two visible keys passes to its lse whole: 1e-2 absolute for bf16 (as the
+    output's relative bound), 5e-3 for the rest (fp16 rounds at 2^-11; merges of states)."""
     assert np.array_equal(np.isneginf(got), np.isneginf(ref)), "fully masked rows differ"
     finite = np.isfinite(ref)
     assert np.isfinite(got[finite]).all()
-    np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-3, atol=5e-3)
+    atol = 1e-2 if dtype == "bfloat16" else 5e-3
+    np.testing.assert_allclose(got[finite], ref[finite], rtol=1e-3, atol=atol)
 
 
 def build_attention(variant, case: Case, qo, kv, num_qo_heads, num_kv_heads, **kwargs):
@@ -288,10 +299,11 @@ def split_params(variant: ir.Variant, params: dict) -> tuple[dict, dict]:
             {k: v for k, v in params.items() if k not in pairs})
 
 
-def check_case(cp, case: Case, error_log, **attn_kwargs):
+def check_case(cp, case: Case, error_log, variant: ir.Variant | None = None, **attn_kwargs):
     """Run a case's batch (BatchAttention with attn_kwargs) and compare with the reference;
-    returns the plan."""
-    variant = attnlang.load(VARIANT_PATHS[case.variant])
+    returns the plan. variant: a parsed variant instead of the zoo's file case.variant."""
+    if variant is None:
+        variant = attnlang.load(VARIANT_PATHS[case.variant])
     rng = np.random.default_rng(case.seed)
     num_kv_heads = 4 if case.group == 1 else 2
     num_qo_heads = num_kv_heads * case.group
@@ -331,7 +343,7 @@ def check_case(cp, case: Case, error_log, **attn_kwargs):
     error_log(case.dtype, err, case.id)
     assert err <= TOLERANCE[case.dtype], f"relative L2 error {err:.2e}"
     if variant.softmax:
-        check_lse(cp.asnumpy(lse), ref_lse)
+        check_lse(cp.asnumpy(lse), ref_lse, case.dtype)
     else:
         assert lse is None
     return plan

@@ -53,9 +53,11 @@ def run_cascade(cp, variant_id, qo, kv, shared, *, num_qo_heads=8, num_kv_heads=
                 head_dim=128, dtype="bfloat16", page_size=16, seed=0, error_log=None,
                 where="", kv_dtype=None, head_dim_vo=None, cascade=None, attn=None):
     """Plan the batch as a cascade (levels found in the page table unless `cascade` names
-    them), run it, compare with the reference; returns (attn, plan)."""
+    them), run it, compare with the reference; returns (attn, plan). variant_id: a zoo id or
+    a parsed variant."""
     rng = np.random.default_rng(seed)
-    variant = attnlang.load(VARIANT_PATHS[variant_id])
+    variant = (attnlang.load(VARIANT_PATHS[variant_id]) if isinstance(variant_id, str)
+               else variant_id)
     qo, kv = np.asarray(qo), np.asarray(kv)
     batch = share_pages(make_batch(rng, qo, kv, num_qo_heads, num_kv_heads, head_dim,
                                    page_size, dtype, head_dim_vo), shared)
@@ -94,7 +96,7 @@ def run_cascade(cp, variant_id, qo, kv, shared, *, num_qo_heads=8, num_kv_heads=
         error_log(dtype, err, where)
     assert err <= TOLERANCE[dtype], f"relative L2 error {err:.2e}"
     if variant.softmax:
-        check_lse(cp.asnumpy(lse), ref_lse)
+        check_lse(cp.asnumpy(lse), ref_lse, dtype)
     return attn, plan
 
 

@@ -130,7 +130,7 @@ def run_fp8(cp, variant_id, qo, kv, *, num_qo_heads, num_kv_heads, head_dim, dty
     error_log(dtype, err, where)
     assert err <= TOLERANCE[dtype], f"relative L2 error {err:.2e}"
     if variant.softmax:
-        check_lse(cp.asnumpy(lse), ref_lse)
+        check_lse(cp.asnumpy(lse), ref_lse, dtype)
     return plan
 
 

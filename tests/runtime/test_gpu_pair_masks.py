@@ -59,7 +59,7 @@ def check(cp, variant, masks, qo, kv, *, dtype="bfloat16", head_dim=128, group=4
     err = rel_l2(host, ref_o)
     error_log(dtype, err, where)
     assert err <= TOLERANCE[dtype], f"relative L2 error {err:.2e}"
-    check_lse(cp.asnumpy(lse), ref_lse)
+    check_lse(cp.asnumpy(lse), ref_lse, dtype)
     return plan
 
 
