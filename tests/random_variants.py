@@ -76,8 +76,11 @@ def _vector_stage(rng: random.Random, prog: _Program, stage: str) -> str:
             expr = f"({expr}) + {_num(rng, 0.02, 0.2)} * sin(float(dim) * {freq})"
         elif pick < 0.8:
             expr = f"({expr}) * sigmoid({x} + {_num(rng, 0.5, 2.0)})"
-        elif pick < 0.88:
+        elif pick < 0.84:
             expr = f"{_num(rng, 1.5, 3.0)} * tanh(({expr}) / {_num(rng, 1.5, 3.0)})"
+        elif pick < 0.88 and stage in ("query", "output"):
+            term = rng.choice(["qo_len % 5", "q_row % 3", "batch", "kv_len - q_pos"])
+            expr = f"({expr}) * (1.0 + {_num(rng, 0.005, 0.02)} * float({term}))"
         else:
             expr = f"clamp({expr}, -{_num(rng, 2.0, 4.0)}, {_num(rng, 2.0, 4.0)})"
     if stage in ("query", "key") and rng.random() < 0.35:
@@ -126,8 +129,13 @@ def _logits(rng: random.Random, prog: _Program, softmax: bool, rel: str) -> str:
         elif pick < 0.9:
             prog.need("param offset: int[batch]")
             expr = f"({expr}) + {_num(rng, 0.05, 0.3)} * float(offset[batch] % 3)"
-        elif pick < 0.95:
+        elif pick < 0.93:
             expr = f"({expr}) + where(causal, 0.0, -{_num(rng, 0.5, 3.0)})"
+        elif pick < 0.96:  # ints of a signed distance: floor division, C's %, xor, max
+            term = rng.choice([f"(({rel}) // {rng.randint(2, 9)}) % 3",
+                               f"mod({rel}, {rng.randint(2, 9)}) - 2",
+                               "max(q_row - kv_pos, -3) ^ 5", f"({rel}) >> 3 & 3"])
+            expr = f"({expr}) + {_num(rng, 0.02, 0.2)} * float({term})"
         else:
             prog.need("const temp: float = 2 ** 0.5")
             expr = f"({expr}) / temp"
@@ -164,9 +172,15 @@ def _mask_atom(rng: random.Random, prog: _Program, rel: str) -> str:
     if pick < 0.8:
         b = rng.choice([16, 32, 128])
         return f"kv_pos // {b} <= q_pos // {b}"
-    if pick < 0.86:
+    if pick < 0.83:
         return f"head % {rng.choice([2, 4])} == 0"
-    if pick < 0.92:
+    if pick < 0.89:  # ints of a signed distance (negative past the diagonal)
+        m = rng.randint(2, 7)
+        return rng.choice([f"mod({rel}, {m}) != {rng.randrange(m)}",
+                           f"({rel}) % {m} != {rng.randint(1 - m, m - 1)}",
+                           f"(({rel}) >> {rng.randint(1, 4)}) != -1",
+                           f"int(float({rel}) / {_num(rng, 2.0, 40.0)}) != {rng.randint(-2, 2)}"])
+    if pick < 0.94:
         return f"any(kv_pos == q_pos - {rng.choice([1, 3, 17])} * i for i in range(4))"
     return f"(kv_pos & {rng.choice([1, 3, 7])}) != 1"
 

@@ -53,6 +53,7 @@ def test_random_variants_are_accepted_and_cover_the_language():
                       "where(", "slopes[head]", "bias[head, ", "w_query[dim]", "g_key[kv_head]",
                       "prefix[batch]", "keep[batch, ", "allowed[q_row, kv_pos]",
                       "offset[batch]", "let rel", "const window", "param window", "const temp",
-                      "param cap", "not (", " and (", " or (", "kv_len % 7"):
+                      "param cap", "not (", " and (", " or (", "kv_len % 7", "mod(q_pos",
+                      ">> 3 & 3", "^ 5", "int(float(", "float(qo_len % 5)"):
         assert construct in joined, construct
     assert not any("kv_len % 7" in t for t in texts[1::2]), "a cascade variant's value reads kv_len"
