@@ -2,12 +2,12 @@
 NumPy reference: programs nobody wrote by hand, each on a batch of decode steps and chunked
 prompts together, so every kernel a plan reaches runs them.
 
-Each seed picks its variant and its configuration: q dtype, head dim, page size, GQA group,
-KV splitting, and the cache: the q dtype's (decode, prefill and merge kernels), fp8 (the
-tensor-core decode kernel where the variant allows it, the prefill kernel's fp8 paths) or a
-shared-prefix cascade (the cascade kernel and every level merged). A failure prints the
-program, so it can be saved as a .attn file and rerun. ATTNLANG_RANDOM_VARIANTS=N runs seeds
-0..N-1 (default 48).
+Each seed picks its variant and its configuration: q dtype, head dim (MLA's 192 / 128 for a
+quarter of the fp8 and cascade seeds), page size, GQA group, KV splitting, and the cache: the
+q dtype's (decode, prefill and merge kernels), fp8 (the tensor-core decode kernel where the
+variant allows it, the prefill kernel's fp8 paths) or a shared-prefix cascade (the cascade
+kernel and every level merged). A failure prints the program, so it can be saved as a .attn
+file and rerun. ATTNLANG_RANDOM_VARIANTS=N runs seeds 0..N-1 (default 48).
 
 Tolerance: the output dtype's (LANGUAGE.md section 7), as the other GPU tests.
 """
@@ -33,9 +33,13 @@ SEEDS = range(int(os.environ.get("ATTNLANG_RANDOM_VARIANTS", "48")))
 
 def _config(seed: int) -> dict:
     rng = np.random.default_rng(90_000 + seed)
-    return dict(dtype=str(rng.choice(AXES["dtype"])), head_dim=int(rng.choice(AXES["head_dim"])),
-                page_size=int(rng.choice(AXES["page_size"])), group=int(rng.choice(AXES["group"])),
-                split=str(rng.choice(AXES["split"])), cache=CACHES[seed % len(CACHES)])
+    cfg = dict(dtype=str(rng.choice(AXES["dtype"])), head_dim=int(rng.choice(AXES["head_dim"])),
+               page_size=int(rng.choice(AXES["page_size"])), group=int(rng.choice(AXES["group"])),
+               split=str(rng.choice(AXES["split"])), cache=CACHES[seed % len(CACHES)],
+               head_dim_vo=None)
+    if cfg["cache"] != "native" and rng.random() < 0.25:  # MLA's head dims (LANGUAGE.md 10)
+        cfg.update(head_dim=192, head_dim_vo=128)
+    return cfg
 
 
 @pytest.mark.parametrize("seed", SEEDS, ids=[f"seed{s}-{_config(s)['cache']}" for s in SEEDS])
@@ -43,7 +47,8 @@ def test_random_variant_matches_reference(cp, error_log, seed):
     cfg = _config(seed)
     text = random_variant(seed, cascade=cfg["cache"] == "cascade")
     variant = attnlang.parse(text, f"random_{seed}.attn")
-    where = (f"random seed {seed} {cfg['cache']} {cfg['dtype']} d{cfg['head_dim']} "
+    dims = f"{cfg['head_dim']}/{cfg['head_dim_vo']}" if cfg["head_dim_vo"] else cfg["head_dim"]
+    where = (f"random seed {seed} {cfg['cache']} {cfg['dtype']} d{dims} "
              f"p{cfg['page_size']} g{cfg['group']} {cfg['split']}")
     num_kv_heads = 2
     try:
@@ -56,12 +61,13 @@ def test_random_variant_matches_reference(cp, error_log, seed):
             run_fp8(cp, variant, qo, kv, num_qo_heads=num_kv_heads * cfg["group"],
                     num_kv_heads=num_kv_heads, head_dim=cfg["head_dim"], dtype=cfg["dtype"],
                     page_size=cfg["page_size"], seed=seed, error_log=error_log, where=where,
-                    kv_chunk_size=100 if cfg["split"] == "forced" else None)
+                    kv_chunk_size=100 if cfg["split"] == "forced" else None,
+                    head_dim_vo=cfg["head_dim_vo"])
         else:
             qo, kv, shared = _shape("mixed" if seed % 8 == 3 else "decode", cfg["page_size"])
             run_cascade(cp, variant, qo, kv, shared, num_qo_heads=num_kv_heads * cfg["group"],
                         num_kv_heads=num_kv_heads, head_dim=cfg["head_dim"],
                         dtype=cfg["dtype"], page_size=cfg["page_size"], seed=seed,
-                        error_log=error_log, where=where)
+                        error_log=error_log, where=where, head_dim_vo=cfg["head_dim_vo"])
     except AssertionError as e:
         raise AssertionError(f"{where}: {e}\n--- the variant ---\n{text}") from e
