@@ -6,8 +6,9 @@ Where the front-end fuzzer (tests/grammar/fuzz.py) throws anything at the compil
 only that it never crash, these programs are meant to be accepted and to compute something:
 every stage is built from pieces of the kinds real variants use (tables indexed by heads,
 requests, dims and buckets; rope; norms over the head vector; soft-caps; position biases;
-bounded reductions; windows, prefixes, blocks, per-pair masks and bool tables combined with
-and / or / not; softmax off over sigmoid weights), nested at random, with lets and consts.
+bounded reductions; ints of a signed distance: floor division, C's %, shifts, truncating
+casts; windows, prefixes, blocks, per-pair masks and bool tables combined with and / or /
+not; softmax off over sigmoid weights), nested at random, with lets and consts.
 The pieces keep values bounded (gates, tanh, rsqrt-normalised vectors, small coefficients), so
 a disagreement means a kernel, lowering or reference bug, not float32 against float64 on a
 badly conditioned input. The names of tables follow tests/runtime/test_gpu_attention's
