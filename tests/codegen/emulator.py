@@ -5,9 +5,8 @@ collectives.)
 The real rendered source (`attnlang.codegen.render.render`) is compiled as C++ by g++ against
 ``emulator_shim.h``, which emulates the CUDA subset the templates use (threads, barriers,
 group shuffles, cp.async, half/bf16); the few inline PTX statements of common.cuh and
-machine.cuh are
-replaced by the shim's calls. Each kernel becomes a small executable that reads its
-arguments from a directory of raw arrays and writes its outputs back.
+machine.cuh are replaced by the shim's calls. Each kernel becomes a small executable that
+reads its arguments from a directory of raw arrays and writes its outputs back.
 
 What this checks: indexing, paging, tiling and pipeline order, work items and partial
 states, the TZ merge, the merge kernel, masking and -inf handling, every hook's lowering.
